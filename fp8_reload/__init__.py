@@ -1,0 +1,30 @@
+"""fp8-reload: hot-reloading FP8 MoE weights the way SGLang's EPLB does, fixed and measured.
+
+    import fp8_reload as fr
+    cfg = fr.MoEConfig.preset("tiny")
+    fr.write_checkpoint(path, cfg, seed=0, kind="fp8")
+    model = fr.load_model(path, device="cpu", processing="fixed")
+    report = fr.update_weights_from_disk(model, path, fr.generate_weight_name_filter({1: [0, 3]}))
+"""
+
+from .checkpoint import Checkpoint, write_checkpoint
+from .config import MoEConfig
+from .errors import (CheckpointError, CheckpointMismatchError, FilterMatchedNothingError,
+                     ReloadError)
+from .kernels import BackendUnavailable, available_backends
+from .layers import FP8MoEModel, FusedMoE
+from .processing import MODES
+from .quant import calc_diff
+from .reload import ReloadReport, generate_weight_name_filter, load_model, update_weights_from_disk
+from . import state
+from .state import Snapshot, compare_states, snapshot
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MoEConfig", "write_checkpoint", "Checkpoint", "load_model", "update_weights_from_disk",
+    "generate_weight_name_filter", "ReloadReport", "ReloadError", "CheckpointError",
+    "CheckpointMismatchError", "FilterMatchedNothingError", "BackendUnavailable",
+    "available_backends", "FP8MoEModel", "FusedMoE", "MODES", "calc_diff", "snapshot", "Snapshot",
+    "compare_states",
+]

@@ -1,0 +1,104 @@
+"""MoE forward backends.
+
+``torch`` is the reference: per-expert W8A8 GEMMs dequantized to float32, runs
+on CPU and GPU. GPU backends register themselves in `BACKENDS` (see
+`kernels_gpu`). Every backend reads the layer's scales through
+`moe_kernel_scales`, which accepts both the fixed ``[E, 2]`` layout and the
+upstream collapsed ``[E]`` layout.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+
+from .quant import dequantize, quantize_dynamic, quantize_static
+
+DEFAULT_BACKEND = "torch"
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested forward backend cannot run here (no GPU, no deep_gemm, ...)."""
+
+
+def moe_kernel_scales(layer) -> tuple[torch.Tensor, torch.Tensor,
+                                        Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(w13 [E], w2 [E], a13 scalar | None, a2 scalar | None) as kernels consume them.
+
+    A fixed layer keeps ``w13_weight_scale`` as ``[E, 2]`` with equal columns;
+    kernels index ``scale + expert``, so they get column 0 as a contiguous [E].
+    """
+    w13 = layer.w13_weight_scale
+    if w13.dim() == 2:
+        w13 = w13[:, 0].contiguous()
+    a13 = None if layer.w13_input_scale is None else layer.w13_input_scale.max()
+    a2 = None if layer.w2_input_scale is None else layer.w2_input_scale.max()
+    return w13, layer.w2_weight_scale, a13, a2
+
+
+def _quant_act(x: torch.Tensor, scale: Optional[torch.Tensor]):
+    if scale is None:
+        return quantize_dynamic(x)
+    return quantize_static(x, scale), scale
+
+
+def moe_forward_torch(layer, x: torch.Tensor, topk_weights: torch.Tensor,
+                      topk_ids: torch.Tensor, quantize_activations: bool = True) -> torch.Tensor:
+    """Reference fused-MoE: quantize activations like the FP8 kernels, GEMM in float32.
+
+    With ``quantize_activations=False`` it is the float32 reference of the same
+    (dequantized) weights that accuracy bounds are measured against.
+    """
+    w13_s, w2_s, a13, a2 = moe_kernel_scales(layer)
+    inter = layer.intermediate_size
+    if quantize_activations:
+        xq, xs = _quant_act(x, a13)
+        xf = dequantize(xq, xs)
+    else:
+        xf = x.float()
+    experts = torch.unique(topk_ids).tolist()
+    acts = {}
+    for e in experts:
+        tok, slot = (topk_ids == e).nonzero(as_tuple=True)
+        h = xf.index_select(0, tok) @ dequantize(layer.w13_weight[e], w13_s[e]).t()
+        acts[e] = (tok, slot, F.silu(h[:, :inter]) * h[:, inter:])
+    if quantize_activations and a2 is None and acts:
+        # dynamic per-tensor scale over every routed token, as the fused kernel does
+        a2 = torch.stack([a.abs().amax() for _, _, a in acts.values()]).amax() / 448.0
+        a2 = a2.clamp(min=1e-12)
+    out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+    for e in experts:
+        tok, slot, a = acts[e]
+        if quantize_activations:
+            a = dequantize(quantize_static(a, a2), a2)
+        y = a @ dequantize(layer.w2_weight[e], w2_s[e]).t()
+        out.index_add_(0, tok, y * topk_weights[tok, slot].unsqueeze(1).float())
+    return out.to(torch.bfloat16)
+
+
+BACKENDS: dict[str, Callable] = {"torch": moe_forward_torch}
+
+
+def available_backends() -> list[str]:
+    _register_gpu_backends()
+    return list(BACKENDS)
+
+
+def _register_gpu_backends() -> None:
+    try:
+        from . import kernels_gpu  # noqa: F401  (registers on import when usable)
+    except ImportError:
+        pass
+
+
+def run_moe(layer, x, topk_weights, topk_ids, backend: Optional[str] = None):
+    name = backend or DEFAULT_BACKEND
+    if name not in BACKENDS:
+        _register_gpu_backends()
+    fn = BACKENDS.get(name)
+    if fn is None:
+        raise BackendUnavailable(f"MoE backend {name!r} is not available here "
+                                 f"(available: {', '.join(BACKENDS)})")
+    return fn(layer, x, topk_weights, topk_ids)

@@ -1,0 +1,348 @@
+"""Modules with sglang's parameter layout and `weight_loader` semantics.
+
+`Fp8Linear` mirrors sglang's (Merged)ColumnParallelLinear + Fp8LinearMethod and
+`FusedMoE` mirrors sglang's FusedMoE + Fp8MoEMethod, per rank with E local
+experts:
+
+    w13_weight        [E, 2I, H]  fp8   gate rows [0, I), up rows [I, 2I)
+    w2_weight         [E, H, I]   fp8
+    w13_weight_scale  [E, 2]      f32   one slot per shard (w1 = gate, w3 = up)
+    w2_weight_scale   [E]         f32
+    w13_input_scale   [E]         f32   static activation scheme only
+    w2_input_scale    [E]         f32
+
+Parameters carry `weight_loader` (and `quant_method` for scales) the way sglang
+sets them, because those attributes are exactly what upstream post-processing
+loses. How parameters are created, post-processed and consumed is delegated to
+a quant method from `processing`, chosen by the processing mode.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Callable, Iterable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .config import MoEConfig
+
+# sglang's FusedMoeWeightScaleSupported.TENSOR.value
+PER_TENSOR = "tensor"
+
+
+def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
+    for key, value in attrs.items():
+        if hasattr(param, key):
+            raise AttributeError(f"overwriting existing attribute {key!r}")
+        setattr(param, key, value)
+
+
+def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor) -> None:
+    """sglang's fallback for parameters without their own loader."""
+    if param.numel() == 1 and loaded_weight.numel() == 1:
+        param.data.fill_(loaded_weight.item())
+        return
+    if param.size() != loaded_weight.size():
+        raise AssertionError(
+            f"Attempted to load weight ({loaded_weight.size()}) into parameter ({param.size()})"
+        )
+    param.data.copy_(loaded_weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden: int, eps: float, device=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(hidden, dtype=torch.bfloat16, device=device),
+                                   requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (xf * self.weight.float()).to(torch.bfloat16)
+
+
+class Fp8Linear(nn.Module):
+    """y = x @ W^T with W stored FP8; `logical_widths` > 1 entry for merged gate_up."""
+
+    def __init__(self, input_size: int, logical_widths: list[int], quant_method, device=None):
+        super().__init__()
+        self.input_size = input_size
+        self.logical_widths = list(logical_widths)
+        self.output_size = sum(self.logical_widths)
+        self.quant_method = quant_method
+        quant_method.create_weights(self, device=device)
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      loaded_shard_id: Optional[int] = None) -> None:
+        self.quant_method.load_linear(self, param, loaded_weight, loaded_shard_id)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.quant_method.apply(self, x)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts of one MoE layer, sglang's FusedMoE parameter layout.
+
+    `expert_slots` maps a logical (checkpoint) expert id to the local slots that
+    hold it; the default is the identity over `num_experts`. Experts not held
+    locally are skipped by the loader, as in sglang's expert-parallel loader.
+    """
+
+    def __init__(self, cfg: MoEConfig, layer_id: int, quant_method, device=None,
+                 num_local_experts: Optional[int] = None,
+                 expert_slots: Optional[dict[int, list[int]]] = None):
+        super().__init__()
+        self.layer_id = layer_id
+        self.hidden_size = cfg.hidden_size
+        self.intermediate_size = cfg.moe_intermediate_size
+        self.num_local_experts = num_local_experts or cfg.num_experts
+        self.top_k = cfg.top_k
+        self.expert_slots = expert_slots
+        self.quant_method = quant_method
+        # Local slots written since the last post-processing (the reload scope).
+        self.loaded_experts: set[int] = set()
+        # Bumped by every post-processing: forward caches key on it.
+        self.weights_version = 0
+        self.backend: Optional[str] = None
+        quant_method.create_weights(self, device=device)
+
+    # ----- loading (sglang's FusedMoE.weight_loader semantics) -----
+    def local_slots(self, expert_id: int) -> list[int]:
+        if self.expert_slots is None:
+            return [expert_id] if 0 <= expert_id < self.num_local_experts else []
+        return self.expert_slots.get(expert_id, [])
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
+                      weight_name: str, shard_id: str, expert_id: int) -> None:
+        if shard_id not in ("w1", "w2", "w3"):
+            raise ValueError(f"shard_id must be one of w1, w2, w3, got {shard_id!r}")
+        for slot in self.local_slots(expert_id):
+            self._load_into_slot(param, loaded_weight, weight_name, shard_id, slot)
+
+    def _load_into_slot(self, param, loaded_weight, weight_name, shard_id, slot):
+        self.loaded_experts.add(slot)
+        if "input_scale" in weight_name:
+            param.data[slot] = loaded_weight
+            return
+        if "scale" in weight_name:
+            if getattr(param, "quant_method", None) != PER_TENSOR:
+                raise ValueError(f"unsupported scale layout for {weight_name}")
+            data = param.data
+            if shard_id == "w2":
+                data[slot] = loaded_weight
+            else:  # gate (w1) -> column 0, up (w3) -> column 1
+                data[slot][0 if shard_id == "w1" else 1] = loaded_weight
+            return
+        if getattr(param, "quantize_on_load", False):
+            self.quant_method.stage_expert_weight(self, param, loaded_weight, shard_id, slot)
+            return
+        expert_data = param.data[slot]
+        if shard_id == "w2":
+            expert_data.copy_(loaded_weight)
+        else:
+            rows = self.intermediate_size
+            start = 0 if shard_id == "w1" else rows
+            expert_data.narrow(0, start, rows).copy_(loaded_weight)
+
+    # ----- forward -----
+    def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                backend: Optional[str] = None) -> torch.Tensor:
+        from .kernels import run_moe
+
+        return run_moe(self, x, topk_weights, topk_ids, backend=backend or self.backend)
+
+
+class Router(nn.Module):
+    """DeepSeek-V2 gate: softmax over experts, greedy top-k, bf16 weight (not quantized)."""
+
+    def __init__(self, cfg: MoEConfig, device=None):
+        super().__init__()
+        self.top_k = cfg.top_k
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.weight = nn.Parameter(
+            torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.bfloat16, device=device),
+            requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = x.float() @ self.weight.float().t()
+        probs = logits.softmax(dim=-1)
+        weights, ids = probs.topk(self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights * self.scaling, ids
+
+
+class MLP(nn.Module):
+    """SiLU-gated MLP of FP8 linears: dense layers and the shared experts."""
+
+    def __init__(self, hidden: int, intermediate: int, make_method, device=None):
+        super().__init__()
+        self.gate_up_proj = Fp8Linear(hidden, [intermediate, intermediate], make_method(), device)
+        self.down_proj = Fp8Linear(intermediate, [hidden], make_method(), device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gu = self.gate_up_proj(x).float()
+        g, u = gu.chunk(2, dim=-1)
+        return self.down_proj((F.silu(g) * u).to(torch.bfloat16))
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_id: int, make_linear_method, make_moe_method,
+                 device=None, **moe_kwargs):
+        super().__init__()
+        self.gate = Router(cfg, device)
+        self.experts = FusedMoE(cfg, layer_id, make_moe_method(), device, **moe_kwargs)
+        self.shared_experts = (
+            MLP(cfg.hidden_size, cfg.shared_intermediate_size, make_linear_method, device)
+            if cfg.num_shared_experts else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        topk_weights, topk_ids = self.gate(x)
+        y = self.experts(x, topk_weights, topk_ids).float()
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(x).float()
+        return y.to(torch.bfloat16)
+
+
+class Attention(nn.Module):
+    """Causal multi-head attention over the token sequence, FP8 projections.
+
+    A stand-in for DeepSeek's MLA with the same projection widths: it exists so
+    that FP8 linear layers (whose post-processing transposes the weight) sit
+    beside the MoE layers, as in the real model.
+    """
+
+    def __init__(self, cfg: MoEConfig, make_method, device=None):
+        super().__init__()
+        h, nh = cfg.hidden_size, cfg.num_heads
+        self.nh, self.qk, self.v = nh, cfg.qk_head_dim, cfg.v_head_dim
+        self.q_proj = Fp8Linear(h, [nh * self.qk], make_method(), device)
+        self.k_proj = Fp8Linear(h, [nh * self.qk], make_method(), device)
+        self.v_proj = Fp8Linear(h, [nh * self.v], make_method(), device)
+        self.o_proj = Fp8Linear(nh * self.v, [h], make_method(), device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_proj(x).float().view(t, self.nh, self.qk).transpose(0, 1)
+        k = self.k_proj(x).float().view(t, self.nh, self.qk).transpose(0, 1)
+        v = self.v_proj(x).float().view(t, self.nh, self.v).transpose(0, 1)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(o.transpose(0, 1).reshape(t, self.nh * self.v).to(torch.bfloat16))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: MoEConfig, layer_id: int, make_linear_method, make_moe_method,
+                 device=None, **moe_kwargs):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        self.self_attn = Attention(cfg, make_linear_method, device)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+        if cfg.is_moe_layer(layer_id):
+            self.mlp = MoEBlock(cfg, layer_id, make_linear_method, make_moe_method, device,
+                                **moe_kwargs)
+        else:
+            self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, make_linear_method, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x + self.self_attn(self.input_layernorm(x))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: MoEConfig, make_linear_method, make_moe_method, device=None,
+                 **moe_kwargs):
+        super().__init__()
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, make_linear_method, make_moe_method, device, **moe_kwargs)
+            for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+# Checkpoint name -> parameter mapping, as in sglang's DeepSeek loader.
+EXPERT_RE = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.(.+)$")
+EXPERT_SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_proj": ("w2_", "w2")}
+STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+
+
+class FP8MoEModel(nn.Module):
+    """DeepSeek-V2-style decoder: x [tokens, hidden] bf16 -> [tokens, hidden] bf16."""
+
+    def __init__(self, cfg: MoEConfig, mode, checkpoint_kind: str, device=None,
+                 **moe_kwargs):
+        super().__init__()
+        self.config = cfg
+        self.mode = mode
+        self.checkpoint_kind = checkpoint_kind
+        fp8_ckpt = checkpoint_kind == "fp8"
+        make_linear = lambda: mode.linear_method(fp8_ckpt)  # noqa: E731
+        make_moe = lambda: mode.moe_method(fp8_ckpt)  # noqa: E731
+        self.model = DecoderStack(cfg, make_linear, make_moe, device, **moe_kwargs)
+        # One reload at a time; forwards wait for a reload to finish (see reload.py).
+        self.reload_lock = threading.RLock()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with self.reload_lock:
+            return self.model(x)
+
+    def moe_layers(self) -> Iterable[tuple[str, FusedMoE]]:
+        for name, module in self.named_modules():
+            if isinstance(module, FusedMoE):
+                yield name, module
+
+    def quantized_modules(self) -> Iterable[tuple[str, nn.Module]]:
+        for name, module in self.named_modules():
+            if getattr(module, "quant_method", None) is not None:
+                yield name, module
+
+    # ----- name mapping -----
+    def resolve(self, name: str) -> tuple[str, str, dict]:
+        """Checkpoint tensor name -> (parameter name, module name, loader kwargs).
+
+        Raises KeyError for a name the model has no parameter for.
+        """
+        m = EXPERT_RE.match(name)
+        if m:
+            prefix, expert, proj, suffix = m.groups()
+            pfx, shard = EXPERT_SHARD[proj]
+            return (f"{prefix}.{pfx}{suffix}", prefix,
+                    {"shard_id": shard, "expert_id": int(expert), "weight_name": None})
+        for param_part, ckpt_part, shard in STACKED:
+            if f".{ckpt_part}." in name:
+                pname = name.replace(f".{ckpt_part}.", f".{param_part}.")
+                return pname, pname.rsplit(".", 1)[0], {"loaded_shard_id": shard}
+        return name, name.rsplit(".", 1)[0], {}
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load checkpoint tensors the way sglang's DeepSeek loader does.
+
+        Expert and stacked parameters look up `param.weight_loader` directly (and
+        so raise AttributeError when post-processing replaced the Parameter);
+        others fall back to `default_weight_loader`. Returns the names of the
+        modules that received weights.
+        """
+        params = dict(self.named_parameters())
+        touched: set[str] = set()
+        for name, tensor in weights:
+            pname, module_name, kw = self.resolve(name)
+            if pname not in params:
+                raise KeyError(f"no parameter {pname!r} for checkpoint tensor {name!r}")
+            param = params[pname]
+            if "expert_id" in kw:
+                loader: Callable = param.weight_loader
+                loader(param, tensor, pname, shard_id=kw["shard_id"], expert_id=kw["expert_id"])
+            elif "loaded_shard_id" in kw:
+                param.weight_loader(param, tensor, kw["loaded_shard_id"])
+            else:
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            touched.add(module_name)
+        return touched

@@ -1,0 +1,86 @@
+"""FP8 (e4m3fn) primitives shared by the checkpoint writer, processing and kernels.
+
+All arithmetic runs in float32 so a result depends only on its inputs, never on
+the order in which experts were processed: that is what makes a reload
+bit-identical to a fresh load.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# Smallest scale we ever produce: keeps an all-zero tensor from dividing by zero.
+MIN_SCALE = 1e-12
+
+
+def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """x / scale, saturated to the FP8 range. `scale` broadcasts against `x`."""
+    if not torch.is_tensor(scale):
+        scale = torch.tensor(scale, dtype=torch.float32, device=x.device)
+    q = x.to(torch.float32) / scale.to(torch.float32)
+    return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def amax_scale(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
+    """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX."""
+    if x.dtype == FP8_DTYPE:  # no FP8 reductions on CPU
+        x = x.to(torch.float32)
+    a = x.abs().amax() if dims is None else x.abs().amax(dim=dims)
+    return (a.to(torch.float32) / FP8_MAX).clamp_(min=MIN_SCALE)
+
+
+def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-tensor dynamic quantization; returns (fp8 tensor, 0-dim float32 scale)."""
+    scale = amax_scale(x)
+    return quantize_static(x, scale), scale
+
+
+def dequantize(q: torch.Tensor, scale: torch.Tensor | float) -> torch.Tensor:
+    """FP8 -> float32 with a broadcastable scale."""
+    return q.to(torch.float32) * scale
+
+
+def requantize(q: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor) -> torch.Tensor:
+    """Move FP8 values from `old_scale` to `new_scale` (both broadcastable).
+
+    Uses the ratio old/new so that old == new is an exact identity: an expert
+    re-processed without having changed keeps every byte.
+    """
+    ratio = old_scale.to(torch.float32) / new_scale.to(torch.float32)
+    return (q.to(torch.float32) * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
+    """1 x `group` activation quantization (DeepGEMM's input format).
+
+    Returns (fp8 [M, K], float32 scales [M, K // group]). K must be a multiple of `group`.
+    """
+    m, k = x.shape
+    if k % group:
+        raise ValueError(f"K={k} is not a multiple of the group size {group}")
+    xg = x.to(torch.float32).view(m, k // group, group)
+    scale = (xg.abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
+    q = (xg / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.view(m, k), scale
+
+
+def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
+    """`Tensor.index_copy_` that also works for FP8 (copied as raw bytes)."""
+    if dst.dtype == FP8_DTYPE:
+        dst, src = dst.view(torch.uint8), src.view(torch.uint8)
+    dst.index_copy_(dim, index, src)
+
+
+def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
+    """DeepGEMM's accuracy metric: 1 - 2<x,y> / (|x|^2 + |y|^2), in float64.
+
+    0 for identical tensors, ~1e-3 for one FP8 x FP8 GEMM against its exact product.
+    """
+    x = x.to(torch.float64)
+    y = y.to(torch.float64)
+    denom = (x * x + y * y).sum()
+    if denom == 0:
+        return 0.0
+    return float(1 - 2 * (x * y).sum() / denom)

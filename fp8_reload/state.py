@@ -1,0 +1,67 @@
+"""Snapshots of a model's state, compared bit for bit.
+
+The central invariant is stated in these terms: after a reload every parameter
+and buffer has the bytes a fresh load gives, every Parameter is the same object
+with the same loader attributes, and untouched slices did not move.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+LOADER_ATTRS = ("weight_loader", "quant_method", "quantize_on_load")
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().contiguous().reshape(-1).view(torch.uint8)
+
+
+@dataclass
+class Snapshot:
+    tensors: dict[str, torch.Tensor]  # CPU copies, every parameter and buffer
+    ids: dict[str, int]  # id() of each Parameter object
+    attrs: dict[str, dict]  # loader attributes present on each Parameter
+
+
+def snapshot(model: nn.Module) -> Snapshot:
+    tensors, ids, attrs = {}, {}, {}
+    for name, p in model.named_parameters():
+        tensors[name] = p.detach().to("cpu", copy=True)
+        ids[name] = id(p)
+        attrs[name] = {a: getattr(p, a) for a in LOADER_ATTRS if hasattr(p, a)}
+    for name, b in model.named_buffers():
+        tensors[name] = b.detach().to("cpu", copy=True)
+    return Snapshot(tensors, ids, attrs)
+
+
+def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+
+
+def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[str]:
+    """Differences between two snapshots, one line each; empty when bit-identical.
+
+    With ``identity=True`` also require the same Parameter objects and loader
+    attributes (only meaningful for two snapshots of one model).
+    """
+    diffs = []
+    for name in sorted(set(a.tensors) | set(b.tensors)):
+        if name not in a.tensors or name not in b.tensors:
+            diffs.append(f"{name}: present in only one state")
+            continue
+        x, y = a.tensors[name], b.tensors[name]
+        if x.shape != y.shape or x.dtype != y.dtype:
+            diffs.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
+        elif not torch.equal(_bytes(x), _bytes(y)):
+            n = int((_bytes(x) != _bytes(y)).sum())
+            diffs.append(f"{name}: {n} of {x.numel() * x.element_size()} bytes differ")
+    if identity:
+        for name in sorted(set(a.ids) | set(b.ids)):
+            if a.ids.get(name) != b.ids.get(name):
+                diffs.append(f"{name}: Parameter object replaced")
+            elif set(a.attrs.get(name, {})) != set(b.attrs.get(name, {})):
+                diffs.append(f"{name}: loader attributes {sorted(a.attrs[name])} -> {sorted(b.attrs[name])}")
+    return diffs

@@ -1,0 +1,63 @@
+"""Shared fixtures: real checkpoints on disk, written once per test session."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+import fp8_reload as fr
+from fp8_reload.checkpoint import INDEX_FILE
+
+
+@pytest.fixture(scope="session")
+def tiny_cfg() -> fr.MoEConfig:
+    return fr.MoEConfig.preset("tiny")
+
+
+@pytest.fixture(scope="session")
+def ckpts(tmp_path_factory, tiny_cfg):
+    """{(kind, seed): path} for the tiny preset, both kinds, seeds 0 and 1."""
+    root = tmp_path_factory.mktemp("ckpt")
+    return {(kind, seed): fr.write_checkpoint(root / f"{kind}-{seed}", tiny_cfg, seed=seed, kind=kind)
+            for kind in ("fp8", "bf16") for seed in (0, 1)}
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def mix_checkpoints(base: Path, donor: Path, out: Path, take) -> Path:
+    """A checkpoint equal to `base` except tensors with `take(name)` True come from `donor`.
+
+    Same sharding as `base` (the two are written with identical layouts).
+    """
+    shutil.copytree(base, out)
+    weight_map = json.loads((base / INDEX_FILE).read_text())["weight_map"]
+    for fname in sorted(set(weight_map.values())):
+        tensors = load_file(str(base / fname))
+        donor_tensors = load_file(str(donor / fname))
+        for name in tensors:
+            if take(name):
+                tensors[name] = donor_tensors[name]
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    return out
+
+
+def rewrite_tensor(path: Path, name: str, fn) -> None:
+    """Replace tensor `name` in its shard by fn(old tensor), in place."""
+    weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+    fname = weight_map[name]
+    tensors = load_file(str(path / fname))
+    tensors[name] = fn(tensors[name])
+    save_file(tensors, str(path / fname), metadata={"format": "pt"})
+
+
+def tokens(cfg: fr.MoEConfig, n: int = 32, seed: int = 0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, cfg.hidden_size, generator=g).to(torch.bfloat16)
