@@ -201,9 +201,9 @@ class MoEBlock(nn.Module):
             MLP(cfg.hidden_size, cfg.shared_intermediate_size, make_linear_method, device)
             if cfg.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids).float()
+        y = self.experts(x, topk_weights, topk_ids, backend=backend).float()
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(torch.bfloat16)
@@ -248,9 +248,11 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, make_linear_method, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x))
-        return h + self.mlp(self.post_attention_layernorm(h))
+        normed = self.post_attention_layernorm(h)
+        return h + (self.mlp(normed, backend=backend) if isinstance(self.mlp, MoEBlock)
+                    else self.mlp(normed))
 
 
 class DecoderStack(nn.Module):
@@ -262,9 +264,9 @@ class DecoderStack(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         for layer in self.layers:
-            x = layer(x)
+            x = layer(x, backend=backend)
         return self.norm(x)
 
 
@@ -290,9 +292,15 @@ class FP8MoEModel(nn.Module):
         # One reload at a time; forwards wait for a reload to finish (see reload.py).
         self.reload_lock = threading.RLock()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+        """`backend` picks the MoE forward for this call; default: `set_backend`'s choice."""
         with self.reload_lock:
-            return self.model(x)
+            return self.model(x, backend=backend)
+
+    def set_backend(self, backend: Optional[str]) -> None:
+        """Select the MoE forward backend for every layer (None: the torch reference)."""
+        for _, layer in self.moe_layers():
+            layer.backend = backend
 
     def moe_layers(self) -> Iterable[tuple[str, FusedMoE]]:
         for name, module in self.named_modules():
