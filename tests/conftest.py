@@ -14,6 +14,14 @@ import fp8_reload as fr
 from fp8_reload.checkpoint import INDEX_FILE
 
 
+@pytest.fixture(params=["cpu", "cuda"])
+def device(request) -> str:
+    """Every invariant test runs on CPU, and on the GPU where there is one."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA device here (the GPU run covers this case)")
+    return request.param
+
+
 @pytest.fixture(scope="session")
 def tiny_cfg() -> fr.MoEConfig:
     return fr.MoEConfig.preset("tiny")

@@ -30,19 +30,19 @@ def _filter(spec):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_fresh_load_is_deterministic(ckpts, kind):
-    a = fr.load_model(ckpts[kind, 0])
-    b = fr.load_model(ckpts[kind, 0])
+def test_fresh_load_is_deterministic(device, ckpts, kind):
+    a = fr.load_model(ckpts[kind, 0], device=device)
+    b = fr.load_model(ckpts[kind, 0], device=device)
     assert fr.compare_states(fr.snapshot(a), fr.snapshot(b)) == []
 
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("which", list(FILTERS))
-def test_reload_same_checkpoint_changes_nothing_repeatedly(ckpts, tiny_cfg, kind, which):
+def test_reload_same_checkpoint_changes_nothing_repeatedly(device, ckpts, tiny_cfg, kind, which):
     path = ckpts[kind, 0]
-    model = fr.load_model(path)
+    model = fr.load_model(path, device=device)
     before = fr.snapshot(model)
-    x = tokens(tiny_cfg)
+    x = tokens(tiny_cfg).to(device)
     y0 = model(x)
     for _ in range(3):
         report = fr.update_weights_from_disk(model, path, _filter(FILTERS[which]))
@@ -52,24 +52,24 @@ def test_reload_same_checkpoint_changes_nothing_repeatedly(ckpts, tiny_cfg, kind
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_full_reload_from_other_checkpoint_equals_its_fresh_load(ckpts, kind):
-    model = fr.load_model(ckpts[kind, 0])
+def test_full_reload_from_other_checkpoint_equals_its_fresh_load(device, ckpts, kind):
+    model = fr.load_model(ckpts[kind, 0], device=device)
     ids = fr.snapshot(model)
     for seed in (1, 0, 1):
         fr.update_weights_from_disk(model, ckpts[kind, seed])
         now = fr.snapshot(model)
-        fresh = fr.snapshot(fr.load_model(ckpts[kind, seed]))
+        fresh = fr.snapshot(fr.load_model(ckpts[kind, seed], device=device))
         assert fr.compare_states(fresh, now) == []
         assert now.ids == ids.ids and now.attrs == ids.attrs
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_filtered_reload_from_other_checkpoint(ckpts, tiny_cfg, tmp_path, kind):
+def test_filtered_reload_from_other_checkpoint(device, ckpts, tiny_cfg, tmp_path, kind):
     """Experts in the filter take the new values, all else keeps its bytes, and the
     whole state equals a fresh load of the correspondingly mixed checkpoint."""
     spec = {1: [0, 5], 2: [2]}
     chosen = {(layer, e) for layer, es in spec.items() for e in es}
-    model = fr.load_model(ckpts[kind, 0])
+    model = fr.load_model(ckpts[kind, 0], device=device)
     before = fr.snapshot(model)
     report = fr.update_weights_from_disk(model, ckpts[kind, 1], fr.generate_weight_name_filter(spec))
     after = fr.snapshot(model)
@@ -77,7 +77,7 @@ def test_filtered_reload_from_other_checkpoint(ckpts, tiny_cfg, tmp_path, kind):
 
     mixed = mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1], tmp_path / "mixed",
                             lambda n: expert_key(n) in chosen)
-    assert fr.compare_states(fr.snapshot(fr.load_model(mixed)), after) == []
+    assert fr.compare_states(fr.snapshot(fr.load_model(mixed, device=device)), after) == []
 
     # Slot by slot: chosen experts changed, every other expert bit-identical.
     for layer in tiny_cfg.moe_layers:
@@ -165,10 +165,10 @@ def test_backup_is_bounded_by_the_reloaded_experts(ckpts, tiny_cfg):
 # ---------------------------------------------------------------- upstream
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_upstream_reload_dies_on_missing_weight_loader_and_leaves_model_as_it_was(ckpts, tiny_cfg, kind):
-    model = fr.load_model(ckpts[kind, 0], processing="upstream")
+def test_upstream_reload_dies_on_missing_weight_loader_and_leaves_model_as_it_was(device, ckpts, tiny_cfg, kind):
+    model = fr.load_model(ckpts[kind, 0], processing="upstream", device=device)
     before = fr.snapshot(model)
-    x = tokens(tiny_cfg)
+    x = tokens(tiny_cfg).to(device)
     y0 = model(x)
     with pytest.raises(fr.ReloadError, match="weight_loader") as info:
         fr.update_weights_from_disk(model, ckpts[kind, 1], fr.generate_weight_name_filter({1: [3]}))
@@ -203,10 +203,10 @@ def test_upstream_collapsed_scale_cannot_take_a_shard_index(ckpts):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_identity_only_fix_still_double_transposes_linear_layers(ckpts, tiny_cfg, kind):
+def test_identity_only_fix_still_double_transposes_linear_layers(device, ckpts, tiny_cfg, kind):
     """The fp8.py half of the fix alone: the MoE Parameters survive, but every module is
     post-processed again, so q_proj is transposed back and the next forward fails."""
-    model = fr.load_model(ckpts[kind, 0], processing="identity-only")
+    model = fr.load_model(ckpts[kind, 0], processing="identity-only", device=device)
     q = model.model.layers[1].self_attn.q_proj
     moe_ids = {n: id(p) for n, p in model.named_parameters() if ".mlp.experts." in n}
     kernel_shape = tuple(q.weight.shape)
@@ -215,7 +215,7 @@ def test_identity_only_fix_still_double_transposes_linear_layers(ckpts, tiny_cfg
     assert tuple(model.model.layers[1].self_attn.q_proj.weight.shape) == (q.output_size, q.input_size)
     assert {n: id(p) for n, p in model.named_parameters() if ".mlp.experts." in n} == moe_ids
     with pytest.raises(RuntimeError):
-        model(tokens(tiny_cfg))
+        model(tokens(tiny_cfg).to(device))
 
 
 def test_fixed_keeps_the_sglang_scale_layout(ckpts, tiny_cfg):
