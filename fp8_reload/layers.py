@@ -124,29 +124,32 @@ class FusedMoE(nn.Module):
             self._load_into_slot(param, loaded_weight, weight_name, shard_id, slot)
 
     def _load_into_slot(self, param, loaded_weight, weight_name, shard_id, slot):
+        # Copies are non_blocking: a pinned source (GPU reloads stage into pinned
+        # memory) becomes one async DMA; the reload synchronizes before the staging
+        # memory is reused. From pageable or CPU memory the copy is synchronous anyway.
         self.loaded_experts.add(slot)
         if "input_scale" in weight_name:
-            param.data[slot] = loaded_weight
+            param.data[slot].copy_(loaded_weight, non_blocking=True)
             return
         if "scale" in weight_name:
             if getattr(param, "quant_method", None) != PER_TENSOR:
                 raise ValueError(f"unsupported scale layout for {weight_name}")
             data = param.data
             if shard_id == "w2":
-                data[slot] = loaded_weight
+                data[slot].copy_(loaded_weight, non_blocking=True)
             else:  # gate (w1) -> column 0, up (w3) -> column 1
-                data[slot][0 if shard_id == "w1" else 1] = loaded_weight
+                data[slot][0 if shard_id == "w1" else 1].copy_(loaded_weight, non_blocking=True)
             return
         if getattr(param, "quantize_on_load", False):
             self.quant_method.stage_expert_weight(self, param, loaded_weight, shard_id, slot)
             return
         expert_data = param.data[slot]
         if shard_id == "w2":
-            expert_data.copy_(loaded_weight)
+            expert_data.copy_(loaded_weight, non_blocking=True)
         else:
             rows = self.intermediate_size
             start = 0 if shard_id == "w1" else rows
-            expert_data.narrow(0, start, rows).copy_(loaded_weight)
+            expert_data.narrow(0, start, rows).copy_(loaded_weight, non_blocking=True)
 
     # ----- forward -----
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

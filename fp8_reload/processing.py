@@ -237,12 +237,12 @@ class FixedFp8LinearMethod:
         layer.needs_processing = True
         if param is layer.weight:
             if param.quantize_on_load:
-                layer.staged[shard_id] = loaded.to(param.device)
+                layer.staged[shard_id] = loaded.to(param.device, copy=True, non_blocking=True)
                 return
             start, rows = _shard_rows(layer, shard_id)
-            self.checkpoint_view(layer).narrow(0, start, rows).copy_(loaded)
+            self.checkpoint_view(layer).narrow(0, start, rows).copy_(loaded, non_blocking=True)
         else:
-            param.data[0 if shard_id is None else shard_id] = loaded
+            param.data[0 if shard_id is None else shard_id].copy_(loaded, non_blocking=True)
 
     def process_weights_after_loading(self, layer) -> None:
         if not layer.needs_processing:
@@ -380,7 +380,9 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         layer.staged = {}
 
     def stage_expert_weight(self, layer, param, loaded, shard_id, slot):
-        layer.staged.setdefault(slot, {})[shard_id] = loaded.to(param.device)
+        # a copy: the source may be staging memory that the next reload reuses
+        layer.staged.setdefault(slot, {})[shard_id] = loaded.to(param.device, copy=True,
+                                                                non_blocking=True)
 
     def _scope(self, layer) -> torch.Tensor:
         if self.process_all_experts:
