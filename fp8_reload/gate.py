@@ -655,6 +655,11 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
     tmp = tempfile.TemporaryDirectory(prefix="fp8-reload-gate-") if workdir is None else None
     root = Path(workdir or tmp.name)
     root.mkdir(parents=True, exist_ok=True)
+    # On CPU, one torch thread: the gate's 64-token ops gain nothing from threads, and
+    # on a busy 2-core runner spinning OpenMP workers made it ~25x slower. Restored below.
+    threads = torch.get_num_threads()
+    if device == "cpu":
+        torch.set_num_threads(1)
     result = GateResult(preset, device, processing, names, kinds, str(bounds.path), bounds.version,
                         {f"{b}.{k}": asdict(bounds.get(b, k)) for b in names for k in kinds})
     try:
@@ -677,6 +682,7 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
                     break
         result.backends = [n for n in names if n not in result.skipped_backends]
     finally:
+        torch.set_num_threads(threads)
         if tmp is not None:
             tmp.cleanup()
     result.seconds = time.perf_counter() - t_start

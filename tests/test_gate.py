@@ -16,16 +16,6 @@ from fp8_reload.cli import main
 from fp8_reload.processing import FixedFp8LinearMethod
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """The tiny model's ops are far too small to gain from threads; on a shared 2-core
-    runner, spinning OpenMP workers made the gate ~30x slower. Restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 @pytest.fixture(scope="module")
 def workdir(tmp_path_factory):
     """Checkpoints (and mixes) shared by every gate run here: deterministic, written once."""
