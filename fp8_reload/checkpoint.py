@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import struct
 import zlib
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from typing import Iterable, Iterator, Optional
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from .config import MoEConfig
 from .errors import CheckpointError
@@ -255,6 +256,27 @@ def write_checkpoint(path, cfg: MoEConfig, seed: int = 0, kind: str = "fp8",
     with open(path / "config.json", "w") as f:
         json.dump(hf, f, indent=1)
     return path
+
+
+def mix_checkpoints(base, donor, out, take) -> Path:
+    """Write to `out` a checkpoint equal to `base` except that tensors with
+    ``take(name)`` True come from `donor`.
+
+    The state a filtered reload from `donor` must reach is a fresh load of this
+    mix. `base` and `donor` must share one layout (same config, kind and
+    sharding, as `write_checkpoint` gives for any two seeds).
+    """
+    base, donor, out = Path(base), Path(donor), Path(out)
+    shutil.copytree(base, out)
+    weight_map = json.loads((base / INDEX_FILE).read_text())["weight_map"]
+    for fname in sorted(set(weight_map.values())):
+        tensors = load_file(str(base / fname))
+        donor_tensors = load_file(str(donor / fname))
+        for name in tensors:
+            if take(name):
+                tensors[name] = donor_tensors[name]
+        save_file(tensors, str(out / fname), metadata={"format": "pt"})
+    return out
 
 
 def _progress(total: int, desc: str, show: bool):

@@ -31,6 +31,24 @@ def _cmd_write(args) -> int:
     return 0
 
 
+def _cmd_gate(args) -> int:
+    from .gate import GateError, format_report, run_gate, write_json
+
+    try:
+        result = run_gate(preset=args.preset, processing=args.processing, backends=args.backend,
+                          device=args.device, bounds=args.bounds, kinds=args.kind,
+                          num_layers=args.num_layers, workdir=args.workdir,
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
+    except GateError as e:
+        print(f"fp8-reload gate: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0 if result.passed else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -41,6 +59,22 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     d.add_argument("--experts", type=int, default=2, help="experts per MoE layer in the EPLB step")
     d.set_defaults(func=_cmd_demo)
+
+    g = sub.add_parser("gate", help="accuracy gate: scripted reloads, every step checked against "
+                       "a fresh load and a float32 reference; exit 0 only if all pass")
+    g.add_argument("--preset", default="tiny", help="model shape (tiny, small, v2-lite)")
+    g.add_argument("--num-layers", type=int, default=None, help="take a slice of the preset's layers")
+    g.add_argument("--processing", default="fixed", choices=("fixed", "upstream", "identity-only"),
+                   help="post-load processing under test (upstream must fail the gate)")
+    g.add_argument("--backend", default="all",
+                   help="MoE forward backend(s), comma-separated, or 'all' (every available one)")
+    g.add_argument("--kind", default="fp8,bf16", help="checkpoint kinds, comma-separated")
+    g.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    g.add_argument("--bounds", default=None, help="bounds TOML (default: the versioned "
+                   "fp8_reload/gate_bounds.toml)")
+    g.add_argument("--json", default=None, metavar="OUT", help="also write the full results as JSON")
+    g.add_argument("--workdir", default=None, help="keep checkpoints here (default: a temp dir)")
+    g.set_defaults(func=_cmd_gate)
 
     w = sub.add_parser("write-checkpoint", help="write a synthetic HF-layout checkpoint")
     w.add_argument("out")

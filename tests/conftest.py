@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fp8_reload as fr
-from fp8_reload.checkpoint import INDEX_FILE
+from fp8_reload.checkpoint import INDEX_FILE, mix_checkpoints  # noqa: F401  (tests import it from here)
 
 
 @pytest.fixture(params=["cpu", "cuda"])
@@ -38,23 +38,6 @@ def ckpts(tmp_path_factory, tiny_cfg):
 def copy_checkpoint(src: Path, dst: Path) -> Path:
     shutil.copytree(src, dst)
     return dst
-
-
-def mix_checkpoints(base: Path, donor: Path, out: Path, take) -> Path:
-    """A checkpoint equal to `base` except tensors with `take(name)` True come from `donor`.
-
-    Same sharding as `base` (the two are written with identical layouts).
-    """
-    shutil.copytree(base, out)
-    weight_map = json.loads((base / INDEX_FILE).read_text())["weight_map"]
-    for fname in sorted(set(weight_map.values())):
-        tensors = load_file(str(base / fname))
-        donor_tensors = load_file(str(donor / fname))
-        for name in tensors:
-            if take(name):
-                tensors[name] = donor_tensors[name]
-        save_file(tensors, str(out / fname), metadata={"format": "pt"})
-    return out
 
 
 def rewrite_tensor(path: Path, name: str, fn) -> None:
