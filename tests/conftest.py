@@ -13,6 +13,9 @@ from safetensors.torch import load_file, save_file
 import fp8_reload as fr
 from fp8_reload.checkpoint import INDEX_FILE, mix_checkpoints  # noqa: F401  (tests import it from here)
 
+# The test models are tiny: intra-op threads only add contention on a 2-core CI box.
+torch.set_num_threads(1)
+
 
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request) -> str:
