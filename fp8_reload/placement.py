@@ -265,18 +265,27 @@ def balance_placement(load, old: Placement) -> Placement:
     """The rebalanced placement for per-expert `load` ([layers, experts] or [experts]).
 
     Same layout as `old` (layers, ranks, slots per rank); see the module docstring
-    for the policy.
+    for the policy. A layer the policy cannot improve (its busiest rank would not
+    get lighter) keeps its old placement.
     """
     load = _as_load(load, old)
     s, r = old.slots_per_rank, old.ep_size
+    cap = max(r, math.ceil(old.num_physical / old.num_experts))
     rows = []
     for i, layer in enumerate(old.layers):
         weights = load[i].tolist()
-        count = replicate(weights, old.num_physical, max_replicas=r)
+        count = replicate(weights, old.num_physical, max_replicas=cap)
         previous = [old.rank_experts(layer, k) for k in range(r)]
         per_rank = pack(weights, count, r, s, previous)
         rows.append([e for rank in per_rank for e in rank])
-    return Placement(old.layers, old.num_experts, r, s, torch.tensor(rows))
+    new = Placement(old.layers, old.num_experts, r, s, torch.tensor(rows))
+    # A layer keeps its old placement unless the new one lowers its busiest rank's load:
+    # moving experts for no gain only costs transfer time.
+    worse = new.rank_load(load).amax(1) >= old.rank_load(load).amax(1)
+    if bool(worse.any()):
+        table = torch.where(worse[:, None], old.table, new.table)
+        new = Placement(old.layers, old.num_experts, r, s, table)
+    return new
 
 
 def synthetic_load(layers: Sequence[int], num_experts: int, seed: int = 0, alpha: float = 1.2,

@@ -267,8 +267,8 @@ class _Timer:
     def __init__(self, seconds: dict, device: torch.device):
         self.seconds, self.cuda = seconds, device.type == "cuda"
 
-    def mark(self, name: str, t0: float) -> float:
-        if self.cuda:
+    def mark(self, name: str, t0: float, sync: bool = True) -> float:
+        if self.cuda and sync:
             torch.cuda.synchronize()
         t = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
@@ -331,7 +331,10 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
     with model.reload_lock:
         new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm)
         report.mode = mode
-        plan = RebalancePlan.build(old, new, mode, excluded)
+        try:  # every rank has the same inputs, so every rank fails here alike
+            plan = RebalancePlan.build(old, new, mode, excluded)
+        except ValueError as e:
+            raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
         mine = plan.ranks[rank]
         report.slots_changed = mine.slots_changed
         report.experts_local, report.experts_p2p, report.experts_disk = (
@@ -347,7 +350,7 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
             for lid, changed in mine.changed.items():
                 layer = layers[lid]
                 slots = sorted(changed)
-                backup[lid] = (slots, pack_slots(layer, slots), layer.expert_slots,
+                backup[lid] = (slots, pack_slots(layer, slots),
                                [p.data.clone() for p in _merged_scales(layer)])
                 local = [(e, f.src_slot) for e, f in mine.fetch[lid].items() if f.source == "local"]
                 if local:
@@ -376,6 +379,7 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
         works = dist.batch_isend_irecv(ops) if ops else []
         report.bytes_sent = sum(b.numel() for b in send_bufs.values())
         report.bytes_received = sum(b.numel() for b in recv_bufs.values())
+        t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
 
         # Disk experts load while the exchange is in flight, through the new slot maps.
         try:
@@ -468,7 +472,7 @@ def _restore(model, layers, backup, old: Placement, rank: int) -> None:
     with torch.no_grad():
         for lid, layer in layers.items():
             layer.expert_slots = old.local_slots(lid, rank)
-        for lid, (slots, rows, _, scales) in backup.items():
+        for lid, (slots, rows, scales) in backup.items():
             layer = layers[lid]
             write_slots(layer, slots, rows)
             for p, saved in zip(_merged_scales(layer), scales):
@@ -518,9 +522,31 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _share_cpu(backend: str, world_size: int) -> None:
+    """CPU ranks on one host split its cores instead of each taking all of them."""
+    if backend == "gloo":
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+
+
+def warm_up_p2p(group=None) -> None:
+    """Exchange one byte with every peer: NCCL sets up its point-to-point
+    communicators on first use, which should not be charged to a rebalance."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    dev = _comm_device(torch.device("cuda", torch.cuda.current_device())
+                       if dist.get_backend(group) == "nccl" else torch.device("cpu"), group)
+    bufs = {p: (torch.zeros(1, dtype=torch.uint8, device=dev), torch.empty(1, dtype=torch.uint8, device=dev))
+            for p in range(world) if p != rank}
+    ops = [op for p, (out, inc) in bufs.items()
+           for op in (dist.P2POp(dist.isend, out, _global(group, p), group),
+                      dist.P2POp(dist.irecv, inc, _global(group, p), group))]
+    for w in dist.batch_isend_irecv(ops) if ops else []:
+        w.wait()
+    dist.barrier(group=group)
+
+
 def _spawn_entry(rank, world_size, backend, port, fn, args, out_dir):
-    os.environ.setdefault("LOCAL_RANK", str(rank))
     os.environ["LOCAL_RANK"] = str(rank)
+    _share_cpu(backend, world_size)
     device = init_rank(backend, rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
         result = fn(rank, world_size, device, *args)
@@ -612,7 +638,7 @@ def demo_rank(rank: int, world: int, device: torch.device, spec: DemoSpec) -> li
     if rank == 0:
         for kind, path in spec.checkpoints.items():
             ensure_checkpoint(path, spec.preset, spec.num_layers, kind, seed=spec.seed)
-    dist.barrier()
+    warm_up_p2p()  # also a barrier: the checkpoints exist from here on
     comm = _comm_device(device, None)
     rows = []
     for kind, path in spec.checkpoints.items():
@@ -686,3 +712,119 @@ def format_demo(rows: list[dict], backend: str) -> tuple[bool, str]:
     lines.append("OK: every rank equals a fresh load under the new placement" if ok else
                  "FAIL: some rank differs from a fresh load under the new placement")
     return ok, "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# A persistent pool of ranks (benchmarks)
+# --------------------------------------------------------------------------
+
+def _pool_worker(rank, world, backend, port, checkpoint, start, conn):
+    import traceback
+
+    os.environ["LOCAL_RANK"] = str(rank)
+    try:
+        _share_cpu(backend, world)
+        device = init_rank(backend, rank, world, f"tcp://127.0.0.1:{port}")
+        model = load_rank_model(checkpoint, start, rank, device)
+        warm_up_p2p()
+        conn.send(("ok", str(device)))
+    except BaseException:
+        conn.send(("error", traceback.format_exc()))
+        return
+    while True:
+        cmd, *args = conn.recv()
+        try:
+            if cmd == "stop":
+                break
+            if cmd == "rebalance":
+                new, mode, exclude = args
+                dist.barrier()
+                t0 = time.perf_counter()
+                report = rebalance(model, new if rank == 0 else None, mode=mode,
+                                   exclude_sources=exclude)
+                conn.send(("ok", {"wall_s": time.perf_counter() - t0, "report": report}))
+            elif cmd == "verify":
+                from .state import compare_states, snapshot
+
+                fresh = load_rank_model(checkpoint, model.placement, rank, device)
+                diffs = compare_states(snapshot(model), snapshot(fresh))
+                del fresh
+                conn.send(("ok", diffs))
+            else:
+                conn.send(("error", f"unknown command {cmd!r}"))
+        except BaseException:
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """`world_size` rank processes, each holding one process group membership and
+    its share of the model under a placement, driven by commands over pipes.
+
+    The benchmarks time rebalances on it without paying process start-up,
+    process-group set-up, NCCL communicator set-up or model loading each time.
+    """
+
+    def __init__(self, world_size: int, backend: str, checkpoint, start: Placement,
+                 timeout_s: float = 600.0):
+        import torch.multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        port = _free_port()
+        self.world_size, self.backend, self.checkpoint = world_size, backend, str(checkpoint)
+        self.placement = self.start = start
+        self.timeout_s = timeout_s
+        self.conns, self.procs = [], []
+        for rank in range(world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_pool_worker, daemon=True, name=f"fp8-reload-rank{rank}",
+                               args=(rank, world_size, backend, port, self.checkpoint, start, child))
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+        try:
+            self.devices = self._collect()
+        except BaseException:
+            self.close()
+            raise
+
+    def _collect(self) -> list:
+        results, errors = [], []
+        for rank, conn in enumerate(self.conns):
+            if not conn.poll(self.timeout_s):
+                raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s:.0f} s")
+            status, value = conn.recv()
+            (results if status == "ok" else errors).append(value if status == "ok" else f"rank {rank}: {value}")
+        if errors:
+            raise RuntimeError("rank pool command failed:\n" + "\n".join(errors))
+        return results
+
+    def _call(self, *cmd) -> list:
+        for conn in self.conns:
+            conn.send(cmd)
+        return self._collect()
+
+    def rebalance(self, new: Placement, mode: str = "p2p", exclude_sources=()) -> list[dict]:
+        """Rebalance every rank to `new`; per rank ``{"wall_s", "report"}``."""
+        out = self._call("rebalance", new, mode, tuple(exclude_sources))
+        self.placement = new
+        return out
+
+    def verify(self) -> list[list[str]]:
+        """Per rank: differences from a fresh load under the current placement."""
+        return self._call("verify")
+
+    def close(self) -> None:
+        for conn, proc in zip(self.conns, self.procs):
+            try:
+                if proc.is_alive():
+                    conn.send(("stop",))
+            except (BrokenPipeError, OSError):
+                pass
+        for proc in self.procs:
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+                proc.join(timeout=5)
+        self.procs, self.conns = [], []
