@@ -416,7 +416,8 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
                         write_slots(layer, [s for s, _ in todo], rows)
                     refresh_merged_input_scales(layer)
                     layer.weights_version += 1
-                _invalidate_caches(model)
+                if mine.changed:
+                    _invalidate_caches(model)
                 _sync(model)
         except Exception as e:
             error = e
@@ -712,6 +713,54 @@ def format_demo(rows: list[dict], backend: str) -> tuple[bool, str]:
     lines.append("OK: every rank equals a fresh load under the new placement" if ok else
                  "FAIL: some rank differs from a fresh load under the new placement")
     return ok, "\n".join(lines)
+
+
+def cli_rebalance(args) -> int:
+    """`fp8-reload rebalance`: spawn (or join under torchrun) the ranks, run `demo_rank`, print."""
+    import json
+    import shutil
+
+    modes = list(MODES) if args.mode == "all" else args.mode.split(",")
+    kinds = args.kind.split(",")
+    for m in modes:
+        if m not in MODES:
+            raise SystemExit(f"unknown --mode {m!r}; choose from {', '.join(MODES)} or all")
+    torchrun = launched_by_torchrun()
+    world = int(os.environ["WORLD_SIZE"]) if torchrun else args.world_size
+    backend = args.backend or default_backend(world)
+    with tempfile.TemporaryDirectory(prefix="fp8-reload-rebalance-") as tmp:
+        if args.checkpoint:
+            if len(kinds) > 1:
+                raise SystemExit("--checkpoint takes one checkpoint: give a single --kind")
+            ckpts = {kinds[0]: args.checkpoint}
+        else:  # under torchrun every rank must name the same directory
+            root = (os.path.join(tempfile.gettempdir(), f"fp8-reload-rebalance-{os.environ['MASTER_PORT']}")
+                    if torchrun else tmp)
+            tag = f"{args.preset}-{args.num_layers or 'all'}-seed{args.seed}"
+            ckpts = {k: os.path.join(root, f"{tag}-{k}") for k in kinds}
+        spec = DemoSpec(checkpoints=ckpts, preset=args.preset, num_layers=args.num_layers,
+                        modes=modes, slots_per_rank=args.slots_per_rank,
+                        exclude_sources=tuple(args.exclude_sources), seed=args.seed,
+                        alpha=args.alpha, check=not args.no_check)
+        try:
+            results = run_ranks(demo_rank, world, backend, spec)
+        finally:
+            if torchrun and not args.checkpoint and int(os.environ["RANK"]) == 0:
+                shutil.rmtree(root, ignore_errors=True)
+    rows = results[0]
+    if torchrun and int(os.environ["RANK"]) != 0:
+        return 0 if format_demo(rows, backend)[0] else 1
+    ok, text = format_demo(rows, backend)
+    print(text)
+    if args.json:
+        out = [{"kind": r["kind"], "mode": r["mode"], "rank": r["rank"], "world": r["world"],
+                "backend": backend, "device": r["device"], "wall_s": r["wall_s"],
+                "equals_fresh_load": (not r.get("diffs")) and r.get("identity_kept", False),
+                **{k: v for k, v in vars(r["report"]).items() if k not in ("disk_report",)}}
+               for r in rows]
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0 if ok else 1
 
 
 # --------------------------------------------------------------------------
