@@ -101,28 +101,63 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def row_bytes(layer: FusedMoE) -> int:
+    """Bytes of one slot's complete state."""
     return sum(_rows(t).shape[1] for t in slot_tensors(layer))
 
 
-def pack_slots(layer: FusedMoE, slots: Sequence[int]) -> torch.Tensor:
-    """`[len(slots), row_bytes]` uint8 copy of the full state of `slots`."""
-    idx = torch.tensor(list(slots), dtype=torch.long, device=layer.w13_weight.device)
-    return torch.cat([_rows(t).index_select(0, idx) for t in slot_tensors(layer)], dim=1)
+def _index(slots, device) -> torch.Tensor:
+    return torch.as_tensor(list(slots), dtype=torch.long).to(device)
 
 
-def write_slots(layer: FusedMoE, slots: Sequence[int], rows: torch.Tensor) -> None:
-    """Write packed rows into `slots` in place (Parameters keep their identity)."""
-    idx = torch.tensor(list(slots), dtype=torch.long, device=layer.w13_weight.device)
-    rows = rows.to(layer.w13_weight.device)
+def pack_slots(layer: FusedMoE, slots: Sequence[int], out: Optional[torch.Tensor] = None
+               ) -> torch.Tensor:
+    """Copy the complete state of `slots` into a flat uint8 buffer (`out` if given).
+
+    Tensor-major layout: for each slot tensor in turn, a contiguous
+    ``[len(slots), bytes]`` block, so packing and unpacking are one gather or
+    scatter per tensor, straight between the Parameters and the buffer.
+    """
+    dev = layer.w13_weight.device
+    k = len(slots)
+    if out is None:
+        out = torch.empty(k * row_bytes(layer), dtype=torch.uint8, device=dev)
+    idx = _index(slots, dev)
+    off = 0
+    for t in slot_tensors(layer):
+        rows = _rows(t)
+        n = k * rows.shape[1]
+        block = out[off:off + n].view(k, rows.shape[1])
+        if block.device == dev:
+            torch.index_select(rows, 0, idx, out=block)
+        else:
+            block.copy_(rows.index_select(0, idx))
+        off += n
+    return out
+
+
+def write_slots(layer: FusedMoE, slots: Sequence[int], packed: torch.Tensor,
+                rows: Optional[Sequence[int]] = None) -> None:
+    """Scatter a `pack_slots` buffer into `slots` in place (Parameters keep their identity).
+
+    `packed` holds `k` slots; slot ``slots[i]`` takes packed row ``rows[i]``
+    (default: row i), so one received expert can fill several slots.
+    """
+    dev = layer.w13_weight.device
+    width = row_bytes(layer)
+    if packed.numel() % width:
+        raise RebalanceError(f"layer {layer.layer_id}: a buffer of {packed.numel()} bytes does "
+                             f"not hold whole slots of {width} bytes")
+    k = packed.numel() // width
+    packed = packed.to(dev)
+    dst = _index(slots, dev)
+    pick = None if rows is None or list(rows) == list(range(k)) else _index(rows, dev)
     off = 0
     for t in slot_tensors(layer):
         view = _rows(t)
         n = view.shape[1]
-        view.index_copy_(0, idx, rows[:, off:off + n])
-        off += n
-    if off != rows.shape[1]:
-        raise RebalanceError(f"layer {layer.layer_id}: rows of {rows.shape[1]} bytes, "
-                             f"slots take {off}")
+        block = packed[off:off + k * n].view(k, n)
+        view.index_copy_(0, dst, block if pick is None else block.index_select(0, pick))
+        off += k * n
 
 
 def refresh_merged_input_scales(layer: FusedMoE) -> None:
@@ -344,8 +379,9 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
 
         error: Optional[BaseException] = None
         backup: dict[int, tuple] = {}
-        staged: dict[int, dict[int, torch.Tensor]] = {}  # layer -> {expert: row}
-        send_bufs, recv_bufs = {}, {}
+        chunks: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # layer -> [(experts, packed)]
+        send_bufs = {p: _alloc(layers, items, comm) for p, items in mine.sends.items()}
+        recv_bufs = {p: _alloc(layers, items, comm) for p, items in mine.recvs.items()}
         try:
             for lid, changed in mine.changed.items():
                 layer = layers[lid]
@@ -354,20 +390,14 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
                                [p.data.clone() for p in _merged_scales(layer)])
                 local = [(e, f.src_slot) for e, f in mine.fetch[lid].items() if f.source == "local"]
                 if local:
-                    rows = pack_slots(layer, [s for _, s in local])
-                    staged.setdefault(lid, {}).update({e: rows[i] for i, (e, _) in enumerate(local)})
-                    report.bytes_local += rows.numel()
+                    packed = pack_slots(layer, [s for _, s in local])
+                    chunks.setdefault(lid, []).append(([e for e, _ in local], packed))
+                    report.bytes_local += packed.numel()
             for peer, items in mine.sends.items():
-                send_bufs[peer] = _pack_for_peer(layers, items).to(comm)
+                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
+                    pack_slots(layers[lid], part, out=buf)
         except Exception as e:  # still take part in the exchange, then fail together
             error = e
-        for peer, items in mine.recvs.items():
-            nbytes = sum(row_bytes(layers[lid]) for lid, _ in items)
-            recv_bufs[peer] = torch.empty(nbytes, dtype=torch.uint8, device=comm)
-        for peer, items in mine.sends.items():
-            if peer not in send_bufs:
-                send_bufs[peer] = torch.zeros(sum(row_bytes(layers[lid]) for lid, _ in items),
-                                              dtype=torch.uint8, device=comm)
         t = timer.mark("stage", t)
 
         ops = []
@@ -405,15 +435,18 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
         try:
             if error is None:
                 for peer, items in mine.recvs.items():
-                    rows = _unpack_from_peer(layers, items, recv_bufs[peer])
-                    for (lid, e), row in zip(items, rows):
-                        staged.setdefault(lid, {})[e] = row
+                    for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
+                        chunks.setdefault(lid, []).append((experts, buf))
                 for lid, changed in mine.changed.items():
                     layer = layers[lid]
-                    todo = [(s, e) for s, e in sorted(changed.items()) if e in staged.get(lid, {})]
-                    if todo:
-                        rows = torch.stack([staged[lid][e].to(device) for _, e in todo])
-                        write_slots(layer, [s for s, _ in todo], rows)
+                    for experts, packed in chunks.get(lid, []):
+                        dst, rows = [], []
+                        for i, e in enumerate(experts):
+                            for s in sorted(changed):
+                                if changed[s] == e:
+                                    dst.append(s)
+                                    rows.append(i)
+                        write_slots(layer, dst, packed, rows)
                     refresh_merged_input_scales(layer)
                     layer.weights_version += 1
                 if mine.changed:
@@ -439,26 +472,28 @@ def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
     return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
 
 
-def _pack_for_peer(layers: dict[int, FusedMoE], items: list[tuple[int, int]]) -> torch.Tensor:
-    """One flat buffer with the rows of (layer, slot) items, in order."""
-    chunks, i = [], 0
-    while i < len(items):  # consecutive items of one layer pack in one gather
+def _alloc(layers, items, device) -> torch.Tensor:
+    """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
+    return torch.empty(sum(row_bytes(layers[lid]) for lid, _ in items), dtype=torch.uint8,
+                       device=device)
+
+
+def _segments(layers, items, buf: torch.Tensor):
+    """Split a peer buffer into per-layer runs: yields (layer, [slot|expert], packed view).
+
+    Items are ordered by layer (the plan appends them so), so each run is one
+    `pack_slots` block of consecutive bytes on both ends.
+    """
+    i = off = 0
+    while i < len(items):
         lid = items[i][0]
         j = i
         while j < len(items) and items[j][0] == lid:
             j += 1
-        chunks.append(pack_slots(layers[lid], [s for _, s in items[i:j]]).reshape(-1))
-        i = j
-    return torch.cat(chunks)
-
-
-def _unpack_from_peer(layers, items, buf: torch.Tensor) -> list[torch.Tensor]:
-    rows, off = [], 0
-    for lid, _ in items:
-        n = row_bytes(layers[lid])
-        rows.append(buf[off:off + n])
+        n = (j - i) * row_bytes(layers[lid])
+        yield lid, [x for _, x in items[i:j]], buf[off:off + n]
         off += n
-    return rows
+        i = j
 
 
 def _gather_failures(error, group, device) -> list[int]:

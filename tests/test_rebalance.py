@@ -86,11 +86,15 @@ def test_pack_write_round_trip_keeps_parameters(ckpts):
     model = load_rank_model(ckpts["fp8", 0], start, rank=0)
     layer = moe_layer_map(model)[1]
     ids = param_ids(model)
-    rows = pack_slots(layer, [4, 0])
-    write_slots(layer, [1, 2], rows)
+    packed = pack_slots(layer, [4, 0])
+    write_slots(layer, [1, 2], packed)
     for t in slot_tensors(layer):
         b = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
         assert torch.equal(b[1], b[4]) and torch.equal(b[2], b[0])
+    write_slots(layer, [3, 2, 1], packed, rows=[1, 0, 0])  # one packed expert, several slots
+    for t in slot_tensors(layer):
+        b = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+        assert torch.equal(b[3], b[0]) and torch.equal(b[2], b[4]) and torch.equal(b[1], b[4])
     assert param_ids(model) == ids
 
 
