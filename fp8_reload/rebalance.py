@@ -311,8 +311,9 @@ class _Timer:
 
 
 def _agree(old: Placement, new: Optional[Placement], mode: str, exclude_sources, group,
-           device) -> tuple[Placement, str, frozenset]:
-    """Rank 0's (old, new, mode, exclusions) on every rank; every rank must hold `old`."""
+           device, holds_rank: bool) -> tuple[Placement, str, frozenset]:
+    """Rank 0's (old, new, mode, exclusions) on every rank; every rank must hold `old`
+    (and its own share of it: `holds_rank`)."""
     rank = dist.get_rank(group)
     payload = [None]
     if rank == 0 and new is not None:
@@ -321,13 +322,13 @@ def _agree(old: Placement, new: Optional[Placement], mode: str, exclude_sources,
     if payload[0] is None:
         raise RebalanceError("rank 0 passed no new placement; nothing was changed")
     old_table, new0, mode0, excl0 = payload[0]
-    same = torch.tensor([int(torch.equal(old_table, old.table)
+    same = torch.tensor([int(torch.equal(old_table, old.table) and holds_rank
                              and old.ep_size == dist.get_world_size(group))],
                         dtype=torch.int64, device=device)
     dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
     if not int(same.item()):
-        raise RebalanceError("ranks disagree on the current placement (or its ep_size is not "
-                             "the world size); nothing was changed")
+        raise RebalanceError("ranks disagree on the current placement (or a rank holds another "
+                             "rank's share, or ep_size is not the world size); nothing was changed")
     return new0, mode0, frozenset(excl0)
 
 
@@ -364,7 +365,8 @@ def rebalance(model: FP8MoEModel, new: Optional[Placement], *, mode: str = "p2p"
     t_start = t = time.perf_counter()
 
     with model.reload_lock:
-        new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm)
+        new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm,
+                                     holds_rank=getattr(model, "ep_rank", rank) == rank)
         report.mode = mode
         try:  # every rank has the same inputs, so every rank fails here alike
             plan = RebalancePlan.build(old, new, mode, excluded)

@@ -116,12 +116,14 @@ class Scenario:
     kind: str
     start: Placement
     steps: list = field(default_factory=list)
+    share_of: Optional[dict] = None  # {rank: rank whose share it loads} to provoke disagreement
 
 
 def _scenario_rank(rank, world, device, scenarios, ckpts):
     out = {}
     for sc in scenarios:
-        model = load_rank_model(ckpts[sc.kind], sc.start, rank, device)
+        share = (sc.share_of or {}).get(rank, rank)
+        model = load_rank_model(ckpts[sc.kind], sc.start, share, device)
         for i, step in enumerate(sc.steps):
             before, ids = snapshot(model), param_ids(model)
             res = {"error": None}
@@ -133,7 +135,7 @@ def _scenario_rank(rank, world, device, scenarios, ckpts):
             except RebalanceError as e:
                 res["error"] = str(e)
                 res["unchanged"] = compare_states(before, snapshot(model), identity=True)
-            fresh = load_rank_model(ckpts[sc.kind], model.placement, rank, device)
+            fresh = load_rank_model(ckpts[sc.kind], model.placement, share, device)
             res["diffs"] = compare_states(snapshot(model), snapshot(fresh))
             res["identity_kept"] = param_ids(model) == ids
             res["at_new"] = model.placement == step.new
@@ -181,6 +183,7 @@ def two_ranks(ckpts, tmp_path_factory):
         Scenario("bf16-p2p", "bf16", start, [Step(hand, "p2p")]),
         Scenario("bf16-hybrid", "bf16", start, [Step(skewed, "hybrid", (0,))]),
         Scenario("rollback", "fp8", start, [Step(hand, "disk", (), str(bad)), Step(hand, "p2p")]),
+        Scenario("disagree", "fp8", start, [Step(hand, "p2p")], share_of={1: 0}),
     ]
     return _run(2, scenarios, ck)
 
@@ -213,6 +216,11 @@ def test_failure_on_one_rank_rolls_back_every_rank(two_ranks):
         assert not res["at_new"] and not res["diffs"]  # still a fresh load of the old placement
     assert "CheckpointError" in two_ranks["rollback", 0][1]["error"]
     _assert_equals_fresh(two_ranks, "rollback", step=1)  # and the next rebalance works
+
+
+def test_ranks_that_disagree_change_nothing(two_ranks):
+    for res in two_ranks["disagree", 0]:
+        assert res["error"] and "disagree" in res["error"] and not res["unchanged"]
 
 
 @pytest.fixture(scope="module")
