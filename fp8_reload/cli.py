@@ -49,6 +49,12 @@ def _cmd_gate(args) -> int:
     return 0 if result.passed else 1
 
 
+def _cmd_rebalance(args) -> int:
+    from .rebalance import cli_rebalance
+
+    return cli_rebalance(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -83,6 +89,29 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", choices=("fp8", "bf16"), default="fp8")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_write)
+
+    r = sub.add_parser("rebalance", help="expert-parallel rebalance across ranks (torch.distributed), "
+                       "checked against a fresh load on every rank")
+    r.add_argument("--world-size", type=int, default=2,
+                   help="ranks to spawn (under torchrun: taken from WORLD_SIZE)")
+    r.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl when there is one GPU per rank, else gloo (CPU)")
+    r.add_argument("--mode", default="p2p",
+                   help="p2p | disk | hybrid, a comma list, or all")
+    r.add_argument("--preset", default="tiny", help="model shape (tiny, small, v2-lite)")
+    r.add_argument("--num-layers", type=int, default=None, help="take a slice of the preset's layers")
+    r.add_argument("--kind", default="fp8", help="checkpoint kind: fp8, bf16 or fp8,bf16")
+    r.add_argument("--checkpoint", default=None, help="use this checkpoint instead of writing one")
+    r.add_argument("--slots-per-rank", type=int, default=None,
+                   help="physical expert slots per rank (default: ceil(experts / ranks) + 1)")
+    r.add_argument("--exclude-sources", type=int, nargs="*", default=[1],
+                   help="hybrid only: ranks that may not serve experts by P2P, so experts only "
+                        "they hold come from disk (default: 1)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--alpha", type=float, default=1.2, help="Zipf skew of the synthetic load")
+    r.add_argument("--no-check", action="store_true", help="skip the fresh-load comparison")
+    r.add_argument("--json", default=None, help="also write per-rank results to this JSON file")
+    r.set_defaults(func=_cmd_rebalance)
     return p
 
 

@@ -90,6 +90,8 @@ class FusedMoE(nn.Module):
     `expert_slots` maps a logical (checkpoint) expert id to the local slots that
     hold it; the default is the identity over `num_experts`. Experts not held
     locally are skipped by the loader, as in sglang's expert-parallel loader.
+    A callable `layer_id -> map` gives each layer its own map (placements differ
+    per layer, see `placement.Placement.expert_slots_for`).
     """
 
     def __init__(self, cfg: MoEConfig, layer_id: int, quant_method, device=None,
@@ -101,6 +103,8 @@ class FusedMoE(nn.Module):
         self.intermediate_size = cfg.moe_intermediate_size
         self.num_local_experts = num_local_experts or cfg.num_experts
         self.top_k = cfg.top_k
+        if callable(expert_slots):
+            expert_slots = expert_slots(layer_id)
         self.expert_slots = expert_slots
         self.quant_method = quant_method
         # Local slots written since the last post-processing (the reload scope).
