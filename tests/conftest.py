@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -12,6 +13,11 @@ from safetensors.torch import load_file, save_file
 
 import fp8_reload as fr
 from fp8_reload.checkpoint import INDEX_FILE
+
+# Without CUDA, Triton kernels run only in Triton's interpreter, which must be
+# chosen before anything imports triton (tests/test_kernels.py relies on it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
