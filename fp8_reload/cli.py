@@ -31,6 +31,15 @@ def _cmd_write(args) -> int:
     return 0
 
 
+def _cmd_bench_kernels(args) -> int:
+    from .bench_kernels import main
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    backends = tuple(args.backends.split(","))
+    return main(args.out, tokens=tokens, backends=backends, gemm=not args.no_gemm,
+                iters=args.iters, jit_procs=args.jit_procs, jit_only=args.jit_only)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,6 +58,18 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", choices=("fp8", "bf16"), default="fp8")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_write)
+
+    b = sub.add_parser("bench-kernels", help="time and check the MoE forward kernels on a GPU "
+                                             "(Markdown + CSV tables)")
+    b.add_argument("--out", default="results/kernels", help="directory for kernels.md and CSVs")
+    b.add_argument("--tokens", default="128,1024,4096", help="comma-separated token counts")
+    b.add_argument("--backends", default="torch,triton,deep_gemm,deep_gemm_masked")
+    b.add_argument("--iters", type=int, default=20, help="timed calls per case")
+    b.add_argument("--no-gemm", action="store_true", help="skip the grouped GEMM table")
+    b.add_argument("--jit-procs", type=int, default=0,
+                   help="compile every case's kernels first in this many parallel processes")
+    b.add_argument("--jit-only", action="store_true", help="only compile (fill the JIT caches)")
+    b.set_defaults(func=_cmd_bench_kernels)
     return p
 
 

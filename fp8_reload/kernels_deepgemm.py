@@ -322,8 +322,9 @@ def moe_forward_deepgemm(layer, x: torch.Tensor, topk_weights: torch.Tensor,
         w13_bs, w2_bs = precomputed_scales
     else:
         raise ValueError(f"unknown scale_mode {scale_mode!r}; choose one of {', '.join(SCALE_MODES)}")
-    return grouped_moe(x, layer.w13_weight, layer.w2_weight, w13_bs, w2_bs, topk_weights, topk_ids,
-                       layout, gemm)
+    # plain tensors (not Parameters) for DeepGEMM's DLPack-based bindings
+    return grouped_moe(x, layer.w13_weight.data, layer.w2_weight.data, w13_bs, w2_bs, topk_weights,
+                       topk_ids, layout, gemm)
 
 
 def backend(layout: str) -> Callable:
