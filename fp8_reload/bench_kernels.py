@@ -90,6 +90,38 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 15, calls: int = 4,
+                   device="cuda") -> dict[str, float]:
+    """Median ms per call of each fn, measured in alternating batches of `calls` calls.
+
+    For comparisons a few percent apart: alternating cancels clock and
+    thermal drift that back-to-back medians would attribute to one side.
+    """
+    cuda = str(device).startswith("cuda")
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                samples[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        torch.cuda.synchronize()
+        return {k: statistics.median(s.elapsed_time(e) for s, e in v) / calls
+                for k, v in samples.items()}
+    return {k: statistics.median(v) / calls for k, v in samples.items()}
+
+
 def kernel_time_ms(fn: Callable[[], object], iters: int = 10,
                    match: Optional[Callable[[str], bool]] = None,
                    device="cuda") -> tuple[float, float]:
@@ -433,8 +465,26 @@ def run(cases: list[Case], bench: Optional[Bench] = None, jit_procs: int = 0, lo
         out["prewarm"] = prewarm(cases, jit_procs, log)
     for table in ("scales", "gemm", "forward"):
         out[table] = [bench.measure(c, log) for c in cases if c.table == table]
+    _interleave_scales(out["scales"], [c for c in cases if c.table == "scales"], bench, log)
     _scale_ratios(out["scales"])
     return out
+
+
+def _interleave_scales(rows: list[dict], cases: list[Case], bench: Bench, log=print) -> None:
+    """Re-time the scale modes of each token count against each other, interleaved."""
+    by_tokens: dict[int, list[tuple[dict, Case]]] = {}
+    for row, case in zip(rows, cases):
+        if "error" not in row:
+            by_tokens.setdefault(case.spec[2], []).append((row, case))
+    for tokens, group in by_tokens.items():
+        fns = {row["scales"]: bench.build(case.spec)[0] for row, case in group}
+        rounds = max(3, bench.iters)
+        ms = interleaved_ms(fns, rounds=rounds, calls=1 if bench.iters < 3 else 4,
+                            device=bench.device)
+        for row, _ in group:
+            row["ms"] = round(ms[row["scales"]], 4)
+            row["tflops"] = tflops(moe_flop(bench.cfg, tokens), ms[row["scales"]])
+        log(f"[scales] tokens={tokens} interleaved: " + ", ".join(f"{k} {v:.4f} ms" for k, v in ms.items()))
 
 
 # --------------------------------------------------------------------------
@@ -447,7 +497,8 @@ TITLES = {
     "forward": "Whole MoE layer forward, {shape}",
 }
 NOTES = {
-    "scales": (f"`ms`: median CUDA-event time per forward. `vs_precomputed`: throughput relative to "
+    "scales": (f"`ms`: median CUDA-event time per forward, the three modes timed in alternating "
+               "batches. `vs_precomputed`: throughput relative to "
                f"precomputed block scales; target for `cached` >= {SCALE_TARGET:.0%}. `per-forward` "
                "is sglang 0.5.23's repeat_interleave expansion on every call."),
     "gemm": (f"`kernel_ms`: GPU time of the GEMM kernel (profiler). `calc_diff` against the float64 "
