@@ -90,6 +90,21 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
+def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, output) with `fn` captured after a warm-up on a side stream; replay the graph
+    to rerun `fn` with no CPU work (how engines run decode-sized MoE layers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 15, calls: int = 4,
                    device="cuda") -> dict[str, float]:
     """Median ms per call of each fn, measured in alternating batches of `calls` calls.
@@ -314,6 +329,18 @@ class Bench:
         facts = {"flop": 2.0 * groups * m_per * n * k, "ref": (x, wt, d, m_per)}
         return (lambda: gemm.contiguous(a, b, d, m_indices)), facts
 
+    def _graph_ms(self, backend: str, fn) -> object:
+        if not str(self.device).startswith("cuda"):
+            return "n/a"
+        if backend == "torch":
+            return "n/a (host syncs)"
+        try:
+            graph, _ = capture_graph(fn)
+            return round(cuda_time_ms(graph.replay, self.iters, warmup=2), 4)
+        except Exception as e:
+            torch.cuda.synchronize()
+            return f"n/a ({type(e).__name__})"
+
     def measure(self, case: Case, log=print) -> dict:
         row = dict(case.label)
         try:
@@ -333,6 +360,8 @@ class Bench:
                 kms, launches = kernel_time_ms(fn, max(3, self.iters // 4), device=self.device)
                 row.update(ms=round(ms, 4), kernel_ms=round(kms, 4), kernels=round(launches, 1),
                            tflops=tflops(facts["flop"], ms))
+                if case.table == "forward":
+                    row["graph_ms"] = self._graph_ms(case.spec[1], fn)
                 layer, x, w, ids = facts["inputs"]
                 diff = calc_diff(out, moe_forward_torch(layer, x, w, ids, quantize_activations=False))
                 row["calc_diff"] = f"{diff:.2e}"
@@ -504,8 +533,9 @@ NOTES = {
     "gemm": (f"`kernel_ms`: GPU time of the GEMM kernel (profiler). `calc_diff` against the float64 "
              f"product of the unquantized bf16 operands (bound {GEMM_BOUND:g}). Target "
              f">= {GEMM_TARGET_TFLOPS:g} TFLOPS."),
-    "forward": ("`ms`: median CUDA-event time per forward (launch overhead included); `kernel_ms`: "
-                "sum of GPU kernel times per forward; `kernels`: launches per forward. TFLOPS count "
+    "forward": ("`ms`: median CUDA-event time per eager forward (launch overhead included); "
+                "`kernel_ms`: sum of GPU kernel times per forward; `kernels`: launches per forward; "
+                "`graph_ms`: one replay of the forward captured in a CUDA graph. TFLOPS (from `ms`) count "
                 "routed rows only (6 x tokens x top_k x hidden x inter). `calc_diff` against the "
                 f"float32 reference of the same FP8 weights (bound {MOE_LAYER_BOUND:g})."),
 }

@@ -14,7 +14,7 @@ expert in consecutive rows:
 Everything is computed with device ops and a row count that is a static upper
 bound (no host synchronization), so a forward can be captured in a CUDA graph
 and the GEMM shapes, and hence the JIT-compiled kernels, depend only on the
-number of tokens.
+number of tokens. Expert ids must lie in ``[0, num_experts)``.
 """
 
 from __future__ import annotations
@@ -51,11 +51,16 @@ class RoutedRows:
 
 
 def _sort_pairs(topk_ids: torch.Tensor, num_experts: int):
+    """Stable sort of the pairs by expert, per-expert counts and each pair's rank in its expert.
+
+    Counts come from searchsorted on the sorted ids, not bincount (which reads
+    the max back to the host and so cannot be captured in a CUDA graph).
+    """
     flat = topk_ids.reshape(-1).to(torch.int64)
-    order = torch.argsort(flat, stable=True)  # pairs of expert 0 first, then 1, ...
-    sorted_e = flat.index_select(0, order)
-    counts = torch.bincount(flat, minlength=num_experts)
-    first = torch.cumsum(counts, 0) - counts
+    sorted_e, order = torch.sort(flat, stable=True)  # pairs of expert 0 first, then 1, ...
+    edges = torch.searchsorted(sorted_e, torch.arange(num_experts + 1, device=flat.device))
+    first = edges[:-1]
+    counts = edges[1:] - first
     rank = torch.arange(flat.numel(), device=flat.device) - first.index_select(0, sorted_e)
     return order, sorted_e, counts, rank
 

@@ -158,6 +158,23 @@ def test_stale_block_scales_would_be_a_wrong_answer(ckpts, tmp_path):
     assert not torch.equal(kernels.run_moe(layer, x, w, ids, backend="deep_gemm"), want)
 
 
+def test_forward_replays_in_a_cuda_graph(ckpts):
+    """No host synchronization on the GPU paths: decode-sized MoE layers run in CUDA graphs."""
+    need("triton")
+    from fp8_reload.bench_kernels import capture_graph
+
+    model = load(ckpts["fp8", 0])
+    layer = moe_layer(model)
+    x, w, ids = routed(model)
+    for n in [n for n in BACKENDS[1:] if n in AVAILABLE]:
+        eager = kernels.run_moe(layer, x, w, ids, backend=n)
+        graph, out = capture_graph(lambda: kernels.run_moe(layer, x, w, ids, backend=n))
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager), n
+
+
 def test_model_level_backend_selection(ckpts):
     need("triton")
     model = load(ckpts["fp8", 0])
