@@ -256,13 +256,14 @@ class Case:
     label: dict = field(default_factory=dict)
 
 
-def forward_cases(tokens=FORWARD_TOKENS, backends=FORWARD_BACKENDS) -> list[Case]:
-    return [Case("forward", ("forward", b, t), {"tokens": t, "backend": b})
+def forward_cases(tokens=FORWARD_TOKENS, backends=FORWARD_BACKENDS,
+                  preset: str = "v2-lite") -> list[Case]:
+    return [Case("forward", ("forward", b, t, preset), {"tokens": t, "backend": b})
             for t in tokens for b in backends]
 
 
-def scale_cases(tokens=FORWARD_TOKENS) -> list[Case]:
-    return [Case("scales", ("scales", m, t), {"tokens": t, "scales": m})
+def scale_cases(tokens=FORWARD_TOKENS, preset: str = "v2-lite") -> list[Case]:
+    return [Case("scales", ("scales", m, t, preset), {"tokens": t, "scales": m})
             for t in tokens for m in ("precomputed", "cached", "per-forward")]
 
 
@@ -309,7 +310,7 @@ class Bench:
             return self._gemm(spec)
         from .kernels_deepgemm import _build_block_scales, moe_forward_deepgemm
 
-        _, arg, tokens = spec
+        _, arg, tokens, _preset = spec
         layer = self.layer()
         x, w, ids = routed_tokens(self.cfg, tokens, self.device)
         facts = {"flop": moe_flop(self.cfg, tokens), "inputs": (layer, x, w, ids)}
@@ -415,7 +416,8 @@ def _warm(spec) -> tuple[tuple, float, Optional[str]]:
     """Worker: run one case once (compiles its kernels into the on-disk JIT caches)."""
     t0 = time.perf_counter()
     try:
-        fn, _ = Bench().build(spec)
+        bench = Bench() if spec[0] == "gemm" else Bench(cfg=MoEConfig.preset(spec[3], num_layers=2))
+        fn, _ = bench.build(spec)
         fn()
         torch.cuda.synchronize()
     except Exception as e:
@@ -431,7 +433,7 @@ def prewarm(cases: list[Case], procs: int, log=print) -> list[tuple[tuple, float
     specs = list(dict.fromkeys(c.spec for c in cases))
     # nothing to compile for torch; the scales cases share the deep_gemm forward's kernels
     specs = [s for s in specs if s[:2] != ("forward", "torch")
-             and (s[0] != "scales" or ("forward", "deep_gemm", s[2]) not in specs)]
+             and (s[0] != "scales" or ("forward", "deep_gemm") + s[2:] not in specs)]
     t0 = time.perf_counter()
     results = []
     with ProcessPoolExecutor(max_workers=max(1, min(procs, len(specs))),
@@ -601,13 +603,17 @@ def verdict(result: dict) -> tuple[bool, list[str]]:
 
 
 def main(out_dir, tokens=FORWARD_TOKENS, backends=FORWARD_BACKENDS, gemm=True, iters=20,
-         jit_procs=0, jit_only=False) -> int:
+         jit_procs=0, jit_only=False, jit_extra=()) -> int:
+    """`jit_extra`: ("preset", tokens) forwards to compile as well (e.g. the GPU tests' shapes)."""
     if not torch.cuda.is_available():
         print("bench-kernels needs a CUDA GPU (none visible to torch)", file=sys.stderr)
         return 2
     cases = all_cases(tokens, backends, gemm)
     if jit_only:
-        errors = [r for r in prewarm(cases, max(1, jit_procs or os.cpu_count() or 1)) if r[2]]
+        extra = [c for preset, t in jit_extra
+                 for c in forward_cases((t,), ("triton", "deep_gemm", "deep_gemm_masked"), preset)]
+        errors = [r for r in prewarm(cases + extra, max(1, jit_procs or os.cpu_count() or 1))
+                  if r[2]]
         return 1 if errors else 0
     result = run(cases, Bench(iters=iters), jit_procs)
     for path in write_results(result, out_dir):

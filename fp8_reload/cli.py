@@ -36,8 +36,10 @@ def _cmd_bench_kernels(args) -> int:
 
     tokens = tuple(int(t) for t in args.tokens.split(","))
     backends = tuple(args.backends.split(","))
+    extra = [(e.split(":")[0], int(e.split(":")[1])) for e in args.jit_extra]
     return main(args.out, tokens=tokens, backends=backends, gemm=not args.no_gemm,
-                iters=args.iters, jit_procs=args.jit_procs, jit_only=args.jit_only)
+                iters=args.iters, jit_procs=args.jit_procs, jit_only=args.jit_only,
+                jit_extra=extra)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,6 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--jit-procs", type=int, default=0,
                    help="compile every case's kernels first in this many parallel processes")
     b.add_argument("--jit-only", action="store_true", help="only compile (fill the JIT caches)")
+    b.add_argument("--jit-extra", action="append", default=[], metavar="PRESET:TOKENS",
+                   help="with --jit-only, also compile the GPU backends' kernels for this "
+                        "preset and token count (repeatable), e.g. small:64 for the GPU tests")
     b.set_defaults(func=_cmd_bench_kernels)
     return p
 
