@@ -117,8 +117,10 @@ def _moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_e
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc_g = tl.dot(a, wg, acc_g)
-        acc_u = tl.dot(a, wu, acc_u)
+        # promote to the float32 accumulator every BLOCK_K products, as DeepGEMM does
+        # (Hopper's FP8 MMA accumulates with fewer bits; Triton's sm90 default never promotes)
+        acc_g = tl.dot(a, wg, acc_g, max_num_imprecise_acc=BLOCK_K)
+        acc_u = tl.dot(a, wu, acc_u, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
@@ -166,7 +168,7 @@ def _moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, a2_ptr, row_pair_ptr, block_ex
         if not STATIC_A2:
             a = _to_fp8(a / a2, EXACT)
         b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     y = acc * (a2 * tl.load(w_scale_ptr + expert))

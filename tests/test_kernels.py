@@ -162,6 +162,21 @@ def test_paths_match_reference_and_each_other(ckpts128, kind):
     assert torch.equal(ys["dg-contiguous"], ys["dg-masked"])
 
 
+def test_paths_read_upstreams_collapsed_scales_too(ckpts128):
+    """sglang 0.5.23's processing leaves w13_weight_scale as [E] and input scales 0-dim."""
+    model = fr.load_model(ckpts128["fp8", 0], device=DEVICE, processing="upstream")
+    layer = moe_layer(model)
+    assert layer.w13_weight_scale.dim() == 1 and layer.w13_input_scale.dim() == 0
+    x, w, ids = routed(model)
+    ref = moe_forward_torch(layer, x, w, ids, quantize_activations=False)
+    ys = forwards(layer, x, w, ids)
+    ys["dg-per-forward"] = kd.moe_forward_deepgemm(layer, x, w, ids, scale_mode="per-forward",
+                                                   gemm=EMU)
+    for name, y in ys.items():
+        assert calc_diff(y, ref) < MOE_LAYER_BOUND, name
+    assert torch.equal(ys["dg-per-forward"], ys["dg-contiguous"])
+
+
 def test_triton_tiles_mask_ragged_shapes(tmp_path):
     """hidden 96 and intermediate 48: no tile size divides them."""
     cfg = fr.MoEConfig.preset("tiny", hidden_size=96, moe_intermediate_size=48, num_layers=2)
