@@ -299,7 +299,10 @@ def group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     rows = (m + 3) // 4 * 4
     pos = torch.arange(m, dtype=torch.int32, device=x.device)
-    layout = RoutedRows(pos, pos, pos, pos, rows, rows, 1, 1)
+    # one "expert", top-1: row i of the output is token i
+    layout = RoutedRows(pos=pos, row_expert=torch.zeros_like(pos), row_pair=pos,
+                        counts=pos.new_full((1,), m), num_rows=rows, rows_per_group=rows,
+                        align=1, top_k=1)
     q, sf = fp8_operand(1, rows, k, x.device)
     group_quant_rows(x, layout, q, sf)
     return q[:m], sf[0, :m]
