@@ -55,17 +55,17 @@ def moe_kernel_scales(layer) -> tuple[torch.Tensor, torch.Tensor,
 
 
 def layer_cache(layer, name, build: Callable):
-    """Per-layer memo of `build(layer)`, keyed by (name, ``layer.weights_version``).
+    """Per-layer memo of `build(layer)`, keyed by (name, ``layer.weights_version``, device).
 
     Every post-processing bumps the version and every reload clears
     ``layer.kernel_cache`` (`reload._invalidate_caches`), so a value derived from
     the weights (collapsed scales, block scales) is rebuilt after any reload that
-    touched the layer and never served stale.
+    touched the layer and never served stale; the device covers ``model.to()``.
     """
     cache = getattr(layer, "kernel_cache", None)
     if cache is None:
         cache = layer.kernel_cache = {}
-    key = (name, layer.weights_version)
+    key = (name, layer.weights_version, layer.w13_weight.device)
     value = cache.get(key)
     if value is None:
         for old in [k for k in cache if k[0] == name]:
