@@ -55,6 +55,17 @@ def _cmd_rebalance(args) -> int:
     return cli_rebalance(args)
 
 
+def _cmd_bench_kernels(args) -> int:
+    from .bench_kernels import main
+
+    tokens = tuple(int(t) for t in args.tokens.split(","))
+    backends = tuple(args.backends.split(","))
+    extra = [(e.split(":")[0], int(e.split(":")[1])) for e in args.jit_extra]
+    return main(args.out, tokens=tokens, backends=backends, gemm=not args.no_gemm,
+                iters=args.iters, jit_procs=args.jit_procs, jit_only=args.jit_only,
+                jit_extra=extra)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -112,6 +123,20 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--no-check", action="store_true", help="skip the fresh-load comparison")
     r.add_argument("--json", default=None, help="also write per-rank results to this JSON file")
     r.set_defaults(func=_cmd_rebalance)
+    b = sub.add_parser("bench-kernels", help="time and check the MoE forward kernels on a GPU "
+                                             "(Markdown + CSV tables)")
+    b.add_argument("--out", default="results/kernels", help="directory for kernels.md and CSVs")
+    b.add_argument("--tokens", default="128,1024,4096", help="comma-separated token counts")
+    b.add_argument("--backends", default="torch,triton,deep_gemm,deep_gemm_masked")
+    b.add_argument("--iters", type=int, default=20, help="timed calls per case")
+    b.add_argument("--no-gemm", action="store_true", help="skip the grouped GEMM table")
+    b.add_argument("--jit-procs", type=int, default=0,
+                   help="compile every case's kernels first in this many parallel processes")
+    b.add_argument("--jit-only", action="store_true", help="only compile (fill the JIT caches)")
+    b.add_argument("--jit-extra", action="append", default=[], metavar="PRESET:TOKENS",
+                   help="with --jit-only, also compile the GPU backends' kernels for this "
+                        "preset and token count (repeatable), e.g. small:64 for the GPU tests")
+    b.set_defaults(func=_cmd_bench_kernels)
     return p
 
 

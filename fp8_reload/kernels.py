@@ -18,6 +18,22 @@ from .quant import dequantize, quantize_dynamic, quantize_static
 
 DEFAULT_BACKEND = "torch"
 
+# Accuracy bounds: DeepGEMM's calc_diff against the float32 reference of the same
+# FP8 weights (`moe_forward_torch(..., quantize_activations=False)`). The weights are
+# the same bytes on both sides, so all error comes from quantizing activations.
+GEMM_BOUND = 1e-3  # one FP8 x FP8 GEMM (DeepGEMM's own test bound)
+# A MoE layer quantizes activations twice in series (tokens before gate/up, and
+# silu(gate) * up before down): two FP8 GEMMs' independent errors, whose calc_diffs
+# add. Measured 0.9e-3 .. 1.4e-3 on the synthetic checkpoints.
+MOE_LAYER_BOUND = 2 * GEMM_BOUND
+# Backends with the same activation scheme (torch and triton: per-tensor scales) differ
+# only by summation order and bf16 rounding of per-expert outputs, which flips a few
+# FP8 roundings; measured ~2e-5.
+SAME_SCHEME_BOUND = 1e-4
+# Backends with different schemes (per-tensor vs DeepGEMM's per-token-group) each err
+# independently from the reference: their distance adds up to both bounds.
+CROSS_SCHEME_BOUND = 2 * MOE_LAYER_BOUND
+
 
 class BackendUnavailable(RuntimeError):
     """The requested forward backend cannot run here (no GPU, no deep_gemm, ...)."""
@@ -36,6 +52,31 @@ def moe_kernel_scales(layer) -> tuple[torch.Tensor, torch.Tensor,
     a13 = None if layer.w13_input_scale is None else layer.w13_input_scale.max()
     a2 = None if layer.w2_input_scale is None else layer.w2_input_scale.max()
     return w13, layer.w2_weight_scale, a13, a2
+
+
+def layer_cache(layer, name, build: Callable):
+    """Per-layer memo of `build(layer)`, keyed by (name, ``layer.weights_version``, device).
+
+    Every post-processing bumps the version and every reload clears
+    ``layer.kernel_cache`` (`reload._invalidate_caches`), so a value derived from
+    the weights (collapsed scales, block scales) is rebuilt after any reload that
+    touched the layer and never served stale; the device covers ``model.to()``.
+    """
+    cache = getattr(layer, "kernel_cache", None)
+    if cache is None:
+        cache = layer.kernel_cache = {}
+    key = (name, layer.weights_version, layer.w13_weight.device)
+    value = cache.get(key)
+    if value is None:
+        for old in [k for k in cache if k[0] == name]:
+            del cache[old]
+        value = cache[key] = build(layer)
+    return value
+
+
+def cached_kernel_scales(layer):
+    """`moe_kernel_scales(layer)`, computed once per weights version."""
+    return layer_cache(layer, "kernel_scales", moe_kernel_scales)
 
 
 def _quant_act(x: torch.Tensor, scale: Optional[torch.Tensor]):
@@ -79,6 +120,8 @@ def moe_forward_torch(layer, x: torch.Tensor, topk_weights: torch.Tensor,
 
 
 BACKENDS: dict[str, Callable] = {"torch": moe_forward_torch}
+# Backends known but unusable here -> why (filled by `kernels_gpu` on import).
+UNAVAILABLE: dict[str, str] = {}
 
 
 def available_backends() -> list[str]:
@@ -99,6 +142,7 @@ def run_moe(layer, x, topk_weights, topk_ids, backend: Optional[str] = None):
         _register_gpu_backends()
     fn = BACKENDS.get(name)
     if fn is None:
-        raise BackendUnavailable(f"MoE backend {name!r} is not available here "
+        why = f": {UNAVAILABLE[name]}" if name in UNAVAILABLE else ""
+        raise BackendUnavailable(f"MoE backend {name!r} is not available here{why} "
                                  f"(available: {', '.join(BACKENDS)})")
     return fn(layer, x, topk_weights, topk_ids)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -23,6 +24,11 @@ def device(request) -> str:
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("no CUDA device here (the GPU run covers this case)")
     return request.param
+
+# Without CUDA, Triton kernels run only in Triton's interpreter, which must be
+# chosen before anything imports triton (tests/test_kernels.py relies on it).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
