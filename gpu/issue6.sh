@@ -10,6 +10,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}$PWD"
 OUT=${OUT:-$(mktemp -d)}
+mkdir -p "$OUT"
 WORK=$(mktemp -d /tmp/fp8-gate-XXXXXX)  # checkpoints: kept out of $OUT (they are large)
 trap 'rm -rf "$WORK"' EXIT
 PY=${PYTHON:-python3}
