@@ -167,16 +167,15 @@ def apply(force: bool = False, parts=PARTS) -> list[str]:
     """
     if not force:
         check_version()
-    if _ORIGINALS:
-        return sorted(f"{c.__name__}.{a}" for c, a in _ORIGINALS)
     targets = _targets(parts)
     missing = [f"{cls.__name__}.{attr}" for cls, attr, _ in targets if attr not in cls.__dict__]
     if missing:
         raise UnsupportedSGLangVersion(f"sglang {installed_version()} lacks {', '.join(missing)}: "
                                        "the patch does not fit this release")
     for cls, attr, new in targets:
-        _ORIGINALS[(cls, attr)] = cls.__dict__[attr]
-        setattr(cls, attr, new)
+        if (cls, attr) not in _ORIGINALS:  # applying twice patches once
+            _ORIGINALS[(cls, attr)] = cls.__dict__[attr]
+            setattr(cls, attr, new)
     names = sorted(f"{c.__name__}.{a}" for c, a in _ORIGINALS)
     logger.info("fp8_reload: patched sglang %s: %s", installed_version(), ", ".join(names))
     return names

@@ -113,7 +113,7 @@ def test_patched_first_load_matches_upstream(cpu_scaled_fp8_quant, ckpts):
     w_up = upstream.w13_weight.float() * upstream.w13_weight_scale[:, None, None]
     assert calc_diff(w_fixed, w_up) < 1e-5
     differing = (fixed.w13_weight.view(torch.uint8) != upstream.w13_weight.view(torch.uint8))
-    assert differing.float().mean() < 0.05  # rare last-bit rounding differences only
+    assert differing.float().mean() < 0.01  # at most rare last-bit rounding differences
 
 
 def test_patched_triton_quant_info_is_contiguous_per_expert(patched, ckpts):

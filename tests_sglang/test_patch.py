@@ -42,6 +42,12 @@ def test_parts_patch_only_their_half(unpatched):
     with pytest.raises(ValueError, match="unknown parts"):
         sglang_patch.apply(parts=("everything",))
     assert _current() == before
+    sglang_patch.apply(parts=("moe",))
+    try:
+        assert len(sglang_patch.apply()) == 8  # the rest added; the moe half not patched twice
+    finally:
+        sglang_patch.revert()
+    assert _current() == before
 
 
 def test_supported_version_is_the_installed_one():
@@ -57,6 +63,10 @@ def test_unknown_version_is_refused_and_nothing_is_patched(unpatched, monkeypatc
                        match=rf"supports sglang 0\.5\.23, found {version}"):
         sglang_patch.apply()
     assert not sglang_patch.is_applied() and _current() == before
+    try:
+        assert len(sglang_patch.apply(force=True)) == 8  # force skips only the version check
+    finally:
+        sglang_patch.revert()
 
 
 def test_missing_sglang_is_refused(monkeypatch):
