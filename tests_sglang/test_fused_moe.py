@@ -7,6 +7,8 @@ Every layer here is sglang's; checkpoint tensors go through its real
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -144,3 +146,26 @@ def test_block_scales_of_wide_weights():
     assert blocks.shape == (3, 3, 2) and blocks.is_contiguous()
     assert torch.equal(blocks[:, 2, 1], scale[:, 0])
     assert sglang_patch.kernel_w13_scale(scale[:, 0]) is not None
+
+
+def test_patched_apply_hands_deepgemm_collapsed_block_scales(patched, ckpts, monkeypatch):
+    """The DeepGEMM branch of apply(): the real runner object of that backend receives
+    [E, N/128, K/128] scales. Its grouped-GEMM kernels need a Hopper GPU, so `run` is
+    replaced by a recorder here (gpu/issue7.sh runs DeepGEMM on such scales)."""
+    from sglang.srt.layers.moe import MoeRunner, MoeRunnerBackend
+
+    moe = fresh_experts(CFG, "fp8", _all(ckpts[("fp8", 0)]))
+    method = moe.quant_method
+    runner = MoeRunner(MoeRunnerBackend.DEEP_GEMM, method.moe_runner_config)
+    handed = []
+    monkeypatch.setattr(runner, "run", lambda dispatch, info: handed.append(info) or "out")
+    monkeypatch.setattr(method, "runner", runner)
+    dispatch = SimpleNamespace(hidden_states=torch.zeros(4, CFG.hidden_size, dtype=torch.bfloat16))
+
+    assert method.apply(moe, dispatch) == "out"
+    (info,) = handed
+    assert info.w13_scale.dim() == 3 and info.w13_scale.shape[0] == E
+    assert torch.equal(info.w13_scale[:, 0, 0], moe.w13_weight_scale[:, 0])
+    # sglang's own branch, given the [E, 2] layout, would expand it to a 4-D tensor
+    sglang_patch._original("Fp8MoEMethod", "apply")(method, moe, dispatch)
+    assert handed[-1].w13_scale.dim() == 4
