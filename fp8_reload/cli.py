@@ -66,6 +66,13 @@ def _cmd_bench_kernels(args) -> int:
                 jit_extra=extra)
 
 
+def _cmd_sglang_launch(args) -> int:
+    from .sglang_patch import launch
+
+    server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
+    return launch(server_args, check=args.check)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="with --jit-only, also compile the GPU backends' kernels for this "
                         "preset and token count (repeatable), e.g. small:64 for the GPU tests")
     b.set_defaults(func=_cmd_bench_kernels)
+    s = sub.add_parser("sglang-launch",
+                       help="python -m sglang.launch_server ARGS with the FP8 MoE reload fix applied",
+                       description="Checks the installed sglang, then runs its server with "
+                                   "FP8_RELOAD_SGLANG_PATCH=1 so every sglang process applies "
+                                   "fp8_reload.sglang_patch (see README, 'SGLang patch').")
+    s.add_argument("--check", action="store_true",
+                   help="apply the patch once here, list what it replaces, launch nothing")
+    s.add_argument("server_args", nargs=argparse.REMAINDER,
+                   help="arguments for sglang.launch_server (after --)")
+    s.set_defaults(func=_cmd_sglang_launch)
     return p
 
 
