@@ -31,6 +31,12 @@ def _cmd_write(args) -> int:
     return 0
 
 
+def _cmd_profile(args) -> int:
+    from .profile import run_profile
+
+    return run_profile(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,6 +55,11 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--kind", choices=("fp8", "bf16"), default="fp8")
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_cmd_write)
+
+    from .profile import add_arguments as _profile_arguments  # light: no model code imported
+    pr = sub.add_parser("profile", help="profile a reload / forward (nsys if present, else torch.profiler)")
+    _profile_arguments(pr)
+    pr.set_defaults(func=_cmd_profile)
     return p
 
 
