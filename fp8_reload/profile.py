@@ -398,11 +398,17 @@ def load_events(path) -> Events:
 # Analysis: nesting, attribution, tables
 # --------------------------------------------------------------------------
 
+def _outer_first(r: Range) -> tuple:
+    """Sort key: by start, longer first; on a tie the profiled window, then scenarios, outside."""
+    rank = 0 if r.name == PROFILE_RANGE else 1 if r.name.startswith(SCENARIO_PREFIX) else 2
+    return (r.start, -r.end, rank)
+
+
 def _nest(ranges: Sequence[Range]) -> list[int]:
     """Index of each range's parent (-1: none). Push/pop ranges of one thread are
     nested by construction: a range that starts while another is open is inside it."""
     parent = [-1] * len(ranges)
-    order = sorted(range(len(ranges)), key=lambda i: (str(ranges[i].thread), ranges[i].start, -ranges[i].end))
+    order = sorted(range(len(ranges)), key=lambda i: (str(ranges[i].thread), *_outer_first(ranges[i])))
     stack: list[int] = []
     thread = object()
     for i in order:
@@ -424,7 +430,7 @@ def _innermost(ranges: Sequence[Range], work: Sequence[Work]) -> list[int]:
     for i, r in enumerate(ranges):
         by_thread.setdefault(r.thread, []).append(i)
     for idx in by_thread.values():
-        idx.sort(key=lambda i: (ranges[i].start, -ranges[i].end))
+        idx.sort(key=lambda i: _outer_first(ranges[i]))
     w_by_thread: dict = {}
     for j, w in enumerate(work):
         w_by_thread.setdefault(w.thread, []).append(j)
@@ -452,7 +458,7 @@ def analyze(events: Events):
 
     ranges, work = events.ranges, events.work
     parent = _nest(ranges)
-    order = sorted(range(len(ranges)), key=lambda i: (ranges[i].start, -ranges[i].end))
+    order = sorted(range(len(ranges)), key=lambda i: _outer_first(ranges[i]))
     scenario = [""] * len(ranges)
     depth = [0] * len(ranges)
     for i in order:  # parents start first
