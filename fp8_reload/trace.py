@@ -218,10 +218,26 @@ class _Spec:
 
         @functools.wraps(func)
         def traced(*args, **kwargs):
+            if _domain is None and _recorder is None and not _autograd_profiler._is_profiler_enabled:
+                return func(*args, **kwargs)  # nothing listens: not even a context manager
             with range(name, category, color):
                 return func(*args, **kwargs)
 
         return traced
+
+
+class _QuietSpec(_Spec):
+    """`_Spec` when no NVTX tool is attached: entering and leaving it runs no Python code.
+
+    ``with`` looks special methods up on the type and binds descriptors only;
+    a bound builtin method is no descriptor, so ``"".format`` is called as is,
+    with no argument on entry and (type, value, traceback) on exit, and returns
+    ``""``: falsy, so exceptions propagate.
+    """
+
+    __slots__ = ()
+    __enter__ = "".format
+    __exit__ = "".format
 
 
 class _Active:
@@ -275,13 +291,16 @@ class _Off:
 
 _OFF = _Off()
 _specs: dict[tuple, _Spec] = {}
+_by_name: dict[str, _Spec] = {}  # the default-category, default-color specs, for the fast path
 
 
 def _spec(name: str, category: Optional[str], color) -> _Spec:
     key = (name, category, color)
     spec = _specs.get(key)
     if spec is None:
-        spec = _specs[key] = _Spec(name, category, color)
+        spec = _specs[key] = (_Spec if _domain is not None else _QuietSpec)(name, category, color)
+        if category is None and color is None:
+            _by_name[name] = spec
     return spec
 
 
@@ -294,14 +313,14 @@ def range(name: str, category: Optional[str] = None, color: Union[int, str, None
     `payload` is one number shown with the range (bytes, tokens, experts: see
     `RANGES`); as a decorator the range carries no payload.
     """
-    if not _enabled:
-        return _OFF
-    spec = _specs.get((name, category, color))
+    spec = _by_name.get(name) if category is None and color is None else None
     if spec is None:
+        if not _enabled:
+            return _OFF
         spec = _spec(name, category, color)
-    if (_autograd_profiler._is_profiler_enabled or _recorder is not None
+    if (_autograd_profiler._is_profiler_enabled or _recorder is not None or not _enabled
             or (payload is not None and _domain is not None)):
-        return _Active(spec, payload)
+        return _Active(spec, payload) if _enabled else _OFF
     return spec
 
 

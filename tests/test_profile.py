@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fp8_reload import cli, trace
+from fp8_reload import cli
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.profile import (Range, Work, _innermost, _nest, analyze, load_chrome_trace,
                                 load_events, load_nsys_sqlite, nsys_commands)

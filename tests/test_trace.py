@@ -9,7 +9,6 @@ category, color, payload, thread) and pops.
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import subprocess
@@ -168,11 +167,15 @@ def test_registry_names_categories_colors():
 
 def test_fast_path_without_profiler_and_record_function_with_it():
     # No NVTX tool in this process and no profiler: the cached static range, entered as is.
-    assert not trace.nvtx_active()
-    r = trace.range("fp8_reload/forward", payload=3)
+    if "NVTX_INJECTION64_PATH" not in os.environ:  # (pytest itself run under nsys / ncu)
+        assert not trace.nvtx_active()
+    r = trace.range("fp8_reload/forward")
     assert r is trace.range("fp8_reload/forward")
     with r:
         pass
+    with pytest.raises(KeyError):  # the no-op enter/exit must not swallow exceptions
+        with trace.range("fp8_reload/forward"):
+            raise KeyError("boom")
     from torch.profiler import profile
 
     with profile() as prof:
@@ -372,31 +375,26 @@ def test_failed_reload_leaves_nvtx_ranges_balanced(recorder, ckpts, tmp_path):
     assert [r["name"] for r in got["ranges"] if r["depth"] == 0][-1] == "fp8_reload/reload"
 
 
-def test_nvtx_can_be_switched_off_and_is_off_without_a_tool(recorder, tmp_path):
+def test_nvtx_can_be_switched_off(recorder, tmp_path):
+    # (on by default with a tool: the other NVTX tests; off without one: the fast-path test)
     code = "from fp8_reload import trace; print(trace.nvtx_active())"
     log = tmp_path / "nvtx.log"
-    assert _run(code, nvtx_env(recorder, log)).stdout.strip() == "True"
     assert _run(code, nvtx_env(recorder, log, FP8_RELOAD_NVTX="0")).stdout.strip() == "False"
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    env.pop("NVTX_INJECTION64_PATH", None)
-    assert _run(code, env).stdout.strip() == "False"
 
 
-def test_works_without_the_nvtx_package(ckpts, tmp_path):
-    """nvtx is optional: with it unimportable, ranges still reach torch.profiler."""
-    code = f"""
+def test_works_without_the_nvtx_package(recorder, tmp_path):
+    """nvtx is optional: unimportable (even with a tool injected), ranges still reach torch.profiler."""
+    code = """
 import sys
 sys.modules["nvtx"] = None  # import nvtx -> ImportError
-import json, torch, fp8_reload as fr
 from fp8_reload import trace
 from torch.profiler import profile
 assert not trace.nvtx_active()
-m = fr.load_model({str(ckpts[("fp8", 0)])!r})
 with profile() as prof:
-    fr.update_weights_from_disk(m, {str(ckpts[("fp8", 0)])!r})
-names = {{e.name for e in prof.events()}}
-print(json.dumps(sorted(n for n in names if n.startswith("fp8_reload/"))))
+    with trace.range("fp8_reload/load_weights"):
+        with trace.range("fp8_reload/weight_loader", payload=4):
+            pass
+print(sorted(e.name for e in prof.events() if e.name.startswith("fp8_reload/")))
 """
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    names = json.loads(_run(code, env).stdout.strip().splitlines()[-1])
-    assert "fp8_reload/load_weights" in names and "fp8_reload/process_weights_after_loading" in names
+    out = _run(code, nvtx_env(recorder, tmp_path / "nvtx.log")).stdout.strip().splitlines()[-1]
+    assert out == "['fp8_reload/load_weights', 'fp8_reload/weight_loader']"
