@@ -153,6 +153,7 @@ def _nvtx_domain():
 _domain = _nvtx_domain()
 _recorder: Optional[list] = None  # (name, payload) of every range entered while recording
 _enabled = True
+_quiet = True  # enabled and not recording: `range` may hand out the cached static range
 
 
 def nvtx_active() -> bool:
@@ -162,8 +163,9 @@ def nvtx_active() -> bool:
 
 def set_enabled(enabled: bool) -> None:
     """Switch every range off (a no-op object) or back on; for overhead measurements."""
-    global _enabled
+    global _enabled, _quiet
     _enabled = bool(enabled)
+    _quiet = _enabled and _recorder is None
 
 
 # --------------------------------------------------------------------------
@@ -313,14 +315,17 @@ def range(name: str, category: Optional[str] = None, color: Union[int, str, None
     `payload` is one number shown with the range (bytes, tokens, experts: see
     `RANGES`); as a decorator the range carries no payload.
     """
-    spec = _by_name.get(name) if category is None and color is None else None
-    if spec is None:
-        if not _enabled:
-            return _OFF
-        spec = _spec(name, category, color)
-    if (_autograd_profiler._is_profiler_enabled or _recorder is not None or not _enabled
+    if (_quiet and category is None and color is None and not _autograd_profiler._is_profiler_enabled
+            and (_domain is None or payload is None)):
+        spec = _by_name.get(name)
+        if spec is not None:
+            return spec
+    if not _enabled:
+        return _OFF
+    spec = _spec(name, category, color)
+    if (_autograd_profiler._is_profiler_enabled or _recorder is not None
             or (payload is not None and _domain is not None)):
-        return _Active(spec, payload) if _enabled else _OFF
+        return _Active(spec, payload)
     return spec
 
 
@@ -340,13 +345,15 @@ class recording:
         self.events: list[tuple[str, Optional[float]]] = []
 
     def __enter__(self):
-        global _recorder
+        global _recorder, _quiet
         if _recorder is not None:
             raise RuntimeError("trace.recording() is already active")
         _recorder = self.events
+        _quiet = False
         return self
 
     def __exit__(self, *exc):
-        global _recorder
+        global _recorder, _quiet
         _recorder = None
+        _quiet = _enabled
         return False
