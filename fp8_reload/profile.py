@@ -654,11 +654,15 @@ class NsysFailed(RuntimeError):
     pass
 
 
+def worker_command(workload: Workload, scenarios: Sequence[str], python: str = sys.executable) -> list[str]:
+    """The child process nsys (or ncu) profiles: `_worker_main` with this workload."""
+    return [python, "-m", "fp8_reload.profile", "--worker", "--scenario", ",".join(scenarios),
+            *workload.argv()]
+
+
 def profile_nsys(nsys: str, workload: Workload, scenarios: Sequence[str], out: Path) -> Path:
     """Record under nsys in a child process, export to SQLite; returns the SQLite path."""
-    worker = [sys.executable, "-m", "fp8_reload.profile", "--worker", "--scenario", ",".join(scenarios),
-              *workload.argv()]
-    cmds = nsys_commands(nsys, out, worker)
+    cmds = nsys_commands(nsys, out, worker_command(workload, scenarios))
     for step in ("profile", "export"):
         print(f"[profile] $ {' '.join(cmds[step])}", flush=True)
         res = subprocess.run(cmds[step])

@@ -16,8 +16,9 @@ import pytest
 
 from fp8_reload import cli
 from fp8_reload.checkpoint import Checkpoint
-from fp8_reload.profile import (Range, Work, _innermost, _nest, analyze, load_chrome_trace,
-                                load_events, load_nsys_sqlite, nsys_commands)
+from fp8_reload.profile import (SCENARIOS, Range, Work, Workload, _innermost, _nest, analyze,
+                                load_chrome_trace, load_events, load_nsys_sqlite, nsys_commands,
+                                worker_command)
 from tests.test_trace import REPO, build_nvtx_recorder, nvtx_env, parse_nvtx_log
 
 NEEDED = ("fp8_reload/load_weights", "fp8_reload/process_weights_after_loading", "fp8_reload/forward")
@@ -106,6 +107,18 @@ def test_nsys_command_lines():
     assert p.endswith("-o /o/trace python -m fp8_reload.profile --worker")
     assert " ".join(cmds["export"]) == "nsys export --type sqlite --force-overwrite true -o /o/trace.sqlite /o/trace.nsys-rep"
     assert cmds["stats"][:2] == ["nsys", "stats"] and "nvtx_sum" in cmds["stats"]
+
+
+def test_readme_shows_the_nsys_commands_the_profile_command_runs():
+    readme = (REPO / "README.md").read_text()
+    block = readme.split("### Nsight Systems")[1].split("```bash")[1].split("```")[0]
+    lines = " ".join(block.replace("\\\n", " ").split("\n"))
+    documented = [" ".join(c.split("#")[0].split()) for c in lines.split("nsys ")[1:]]
+    wl = Workload(preset="small", device="cuda", checkpoint="prof/ckpt-small-4l-fp8")
+    cmds = nsys_commands("nsys", Path("prof"), worker_command(wl, SCENARIOS, python="python"))
+    assert len(documented) == 3
+    for step, doc in zip(("profile", "export", "stats"), documented):
+        assert "nsys " + doc == " ".join(cmds[step]), step
 
 
 def test_worker_under_an_nvtx_tool_emits_the_profiled_window(tmp_path, ckpts):
