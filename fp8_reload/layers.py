@@ -349,7 +349,7 @@ class FP8MoEModel(nn.Module):
             if pname not in params:
                 raise KeyError(f"no parameter {pname!r} for checkpoint tensor {name!r}")
             param = params[pname]
-            with trace.range("fp8_reload/weight_loader", payload=tensor.numel() * tensor.element_size()):
+            with trace.range("fp8_reload/weight_loader", payload=tensor.nbytes):
                 if "expert_id" in kw:
                     loader: Callable = param.weight_loader
                     loader(param, tensor, pname, shard_id=kw["shard_id"], expert_id=kw["expert_id"])

@@ -33,6 +33,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import trace
+from .config import MoEConfig
 
 SCENARIOS = ("reload-full", "reload-filtered", "forward")
 SCENARIO_PREFIX = "fp8_reload/scenario/"
@@ -65,10 +66,11 @@ class Workload:
     def resolve(self, workdir: Path) -> "Workload":
         """Fill in the device and write the checkpoint (once) if none was given."""
         from .checkpoint import write_checkpoint
-        from .config import MoEConfig
 
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
+            raise SystemExit(f"device {self.device!r} requested but torch sees no CUDA device here")
         if self.checkpoint is None:
             overrides = {"num_layers": self.num_layers} if self.num_layers else {}
             cfg = MoEConfig.preset(self.preset, **overrides)
@@ -691,9 +693,9 @@ def _per_range_ns(n: int = 200_000) -> dict[str, float]:
         pass
 
     def loop(body) -> float:
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         body()
-        return (time.perf_counter() - t0) / n * 1e9
+        return (time.thread_time() - t0) / n * 1e9
 
     def ctx():
         for _ in range(n):
@@ -732,34 +734,49 @@ def measure_overhead(workload: Workload, scenarios: Sequence[str], seconds: floa
     Two estimates: ranges per step x measured cost of one range / step time
     (stable), and the fastest step with ranges on vs with `trace.set_enabled(False)`,
     alternating, about `seconds` of steps per side (noisy on a busy machine).
+    Times are CPU time of the calling thread, with torch on one intra-op thread so
+    that the step's work runs there: waiting for a core on a shared machine does
+    not count.
     """
     import pandas as pd
 
     cost = _per_range_ns()
     per_range = max(cost["with"], cost["decorator"])
     rows = []
-    for scenario in scenarios:
-        t0 = time.perf_counter()
-        workload.step(scenario)
-        rounds = int(min(max_rounds, max(3, seconds / max(time.perf_counter() - t0, 1e-6))))
-        with trace.recording() as rec:
-            workload.step(scenario)
-        n = len(rec.events)
-        on, off = [], []
-        for r in range(rounds):
-            for enabled in ((True, False) if r % 2 == 0 else (False, True)):
-                trace.set_enabled(enabled)
-                t0 = time.perf_counter()
-                workload.step(scenario)
-                (on if enabled else off).append(time.perf_counter() - t0)
-        trace.set_enabled(True)
-        t_on, t_off = min(on), min(off)  # contention only ever adds time
-        rows.append({"scenario": scenario, "ranges_per_step": n, "step_ms": t_off * 1e3,
-                     "range_ns": per_range, "estimated_pct": 100.0 * n * per_range * 1e-9 / t_off,
-                     "measured_pct": 100.0 * (t_on - t_off) / t_off,
-                     "on_ms": t_on * 1e3, "off_ms": t_off * 1e3, "rounds": rounds,
-                     "off_median_ms": statistics.median(off) * 1e3})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # all the work on the timed thread: its CPU time is the step's
+    try:
+        for scenario in scenarios:
+            rows.append(_overhead_row(workload, scenario, per_range, seconds, max_rounds))
+    finally:
+        torch.set_num_threads(threads)
     return pd.DataFrame(rows), cost
+
+
+def _overhead_row(workload: Workload, scenario: str, per_range: float, seconds: float,
+                  max_rounds: int) -> dict:
+    t0 = time.thread_time()
+    workload.step(scenario)
+    rounds = int(min(max_rounds, max(5, seconds / max(time.thread_time() - t0, 1e-6))))
+    with trace.recording() as rec:
+        workload.step(scenario)
+    n = len(rec.events)
+    # Arms: ranges on, off, and on again (an A/A pair that shows the noise floor).
+    times: dict[str, list[float]] = {"on": [], "off": [], "on2": []}
+    arms = [("on", True), ("off", False), ("on2", True)]
+    for r in range(rounds):
+        for arm, enabled in arms[r % 3:] + arms[:r % 3]:
+            trace.set_enabled(enabled)
+            t0 = time.thread_time()
+            workload.step(scenario)
+            times[arm].append(time.thread_time() - t0)
+    trace.set_enabled(True)
+    t_on, t_off, t_on2 = (min(times[a]) for a in ("on", "off", "on2"))  # contention only adds time
+    return {"scenario": scenario, "ranges_per_step": n, "step_ms": t_off * 1e3,
+            "range_ns": per_range, "estimated_pct": 100.0 * n * per_range * 1e-9 / t_off,
+            "measured_pct": 100.0 * (t_on - t_off) / t_off, "noise_pct": 100.0 * (t_on2 - t_on) / t_on,
+            "on_ms": t_on * 1e3, "off_ms": t_off * 1e3, "rounds": rounds,
+            "off_median_ms": statistics.median(times["off"]) * 1e3}
 
 
 # --------------------------------------------------------------------------
@@ -781,7 +798,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tool", choices=TOOLS, default="auto",
                    help="auto: nsys when on PATH (falls back to torch.profiler if it fails)")
     p.add_argument("--backend", default=None, help="MoE forward backend (default: torch reference)")
-    p.add_argument("--preset", default="small", help="model shape (tiny, small, v2-lite)")
+    p.add_argument("--preset", default="small", choices=MoEConfig.PRESETS, help="model shape")
     p.add_argument("--num-layers", type=int, default=None, help="take a slice of the preset's layers")
     p.add_argument("--kind", choices=("fp8", "bf16"), default="fp8", help="checkpoint kind")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -800,6 +817,15 @@ def _workload(args) -> Workload:
     return Workload(preset=args.preset, num_layers=args.num_layers, kind=args.kind, device=args.device,
                     backend=args.backend, processing=args.processing, tokens=args.tokens,
                     experts=args.experts, repeat=args.repeat, checkpoint=args.checkpoint)
+
+
+def _prepare(workload: Workload) -> None:
+    from .kernels import BackendUnavailable
+
+    try:
+        workload.prepare()
+    except BackendUnavailable as e:
+        raise SystemExit(f"fp8-reload profile: {e}") from None
 
 
 def _print_files(trace_path: Path, paths: dict, extra: Sequence[str] = ()) -> None:
@@ -832,7 +858,7 @@ def run_profile(args) -> int:
     scenarios = _parse_scenarios(args.scenario)
     workload = _workload(args).resolve(out)
     if args.overhead:
-        workload.prepare()
+        _prepare(workload)
         table, cost = measure_overhead(workload, scenarios)
         table.to_csv(out / "overhead.csv", index=False)
         md = [f"# Trace overhead, no tool attached ({workload.preset}, {workload.device}, "
@@ -841,13 +867,15 @@ def run_profile(args) -> int:
               f"contextlib.nullcontext()` here: {cost['nullcontext']:.0f} ns), "
               f"{cost['decorator']:.0f} ns (decorated call, over a plain call).", "",
               markdown_table(table, ["scenario", "ranges_per_step", "step_ms", "estimated_pct",
-                                     "measured_pct", "on_ms", "off_ms", "rounds"],
+                                     "measured_pct", "noise_pct", "on_ms", "off_ms", "rounds"],
                              ["scenario", "ranges / step", "step ms", "estimated %", "measured %",
-                              "fastest on ms", "fastest off ms", "rounds"]), "",
-              "estimated % = ranges per step x cost of one range (the larger of the two above) / "
-              "step time; measured % = fastest step with ranges on vs switched off "
-              "(`trace.set_enabled(False)`), alternating rounds: on a shared machine its noise "
-              "exceeds the effect, in both directions.", ""]
+                              "A/A noise %", "fastest on ms", "fastest off ms", "rounds"]), "",
+              "Times are CPU time of the profiling thread, torch on one intra-op thread. "
+              "estimated % = ranges "
+              "per step x cost of one range (the larger of the two above) / step time; measured % "
+              "= fastest step with ranges on vs switched off (`trace.set_enabled(False)`), "
+              "rotating rounds; A/A noise % = the same comparison between two 'on' arms: a "
+              "measured % inside that noise is no measurable overhead.", ""]
         (out / "overhead.md").write_text("\n".join(md))
         print("\n".join(md))
         print(f"files: {out / 'overhead.md'}, {out / 'overhead.csv'}")
@@ -871,7 +899,7 @@ def run_profile(args) -> int:
                 raise SystemExit(f"fp8-reload profile: {e}")
             print(f"[profile] {e}; falling back to torch.profiler", flush=True)
     print(f"[profile] loading the model on {workload.device} and warming up", flush=True)
-    workload.prepare()
+    _prepare(workload)
     workload.warmup(scenarios)
     print(f"[profile] profiling {', '.join(scenarios)} x{workload.repeat} under torch.profiler", flush=True)
     path = profile_torch(workload, scenarios, out)
