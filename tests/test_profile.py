@@ -148,7 +148,7 @@ def test_overhead_command_writes_its_table(tmp_path, ckpts):
     table = pd.read_csv(tmp_path / "overhead.csv")
     assert list(table.scenario) == ["reload-filtered"]
     assert table.ranges_per_step[0] > 10 and table.range_ns[0] > 0
-    assert "estimated %" in (tmp_path / "overhead.md").read_text()
+    assert "overhead %" in (tmp_path / "overhead.md").read_text()
 
 
 # --------------------------------------------------------------------------
