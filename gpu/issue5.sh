@@ -33,17 +33,26 @@ $PY - <<'PYEOF'
 import torch
 from fp8_reload import trace
 try:
-    import nvtx
-    v = getattr(nvtx, "__version__", "?")
+    import importlib.metadata, nvtx  # noqa: F401
+    v = importlib.metadata.version("nvtx")
 except ImportError:
     v = "not installed"
+except Exception:
+    v = "installed (version unknown)"
 print(f"torch {torch.__version__}, cuda {torch.cuda.is_available()}, nvtx {v}, "
       f"nvtx tool attached now: {trace.nvtx_active()} (expected False outside ncu/nsys)")
 PYEOF
 
 say "1. fp8-reload profile on cuda (torch.profiler; preset small, all scenarios x2)"
 timeout 240 $PY -m fp8_reload.cli profile --out "$OUT/profile" --tool torch --device cuda \
-    --preset small --repeat 2 2>&1 | tail -60
+    --preset small --repeat 2 > "$OUT/profile.log" 2>&1
+echo "exit $?"; grep -E '^\[profile\]' "$OUT/profile.log"
+if [ -f "$OUT/profile/summary.md" ]; then
+    sed -n '/^Source/,/^## Top/p' "$OUT/profile/summary.md" | head -75
+    sed -n '/^## Top/,/^## How/p' "$OUT/profile/summary.md" | grep -E 'forward|reload-full' | head -24
+else
+    tail -30 "$OUT/profile.log"
+fi
 
 # Prints each profiled kernel under its innermost fp8_reload push/pop range, with Nsight
 # Compute's Python report interface (extras/python/ncu_report.py: IAction.nvtx_state(),
