@@ -34,6 +34,7 @@ import torch
 
 from . import trace
 from .config import MoEConfig
+from .errors import ReloadError
 
 SCENARIOS = ("reload-full", "reload-filtered", "forward")
 SCENARIO_PREFIX = "fp8_reload/scenario/"
@@ -847,6 +848,34 @@ def _print_files(trace_path: Path, paths: dict, extra: Sequence[str] = ()) -> No
     print(f"  tables    {paths['summary_csv']}, {paths['kernels_csv']}  (CSV, pandas.read_csv)")
 
 
+def _write_overhead(out: Path, workload: Workload, table, cost: dict) -> None:
+    table.to_csv(out / "overhead.csv", index=False)
+    md = [f"# Trace overhead, no tool attached ({workload.preset}, {workload.device}, "
+          f"nvtx {'active' if trace.nvtx_active() else 'inactive'}, torch {torch.__version__})", "",
+          f"One range: {cost['with']:.0f} ns (`with trace.range(...)`; `with "
+          f"contextlib.nullcontext()` here: {cost['nullcontext']:.0f} ns), "
+          f"{cost['decorator']:.0f} ns (decorated call, over a plain call); "
+          f"`record_function` with no profiler running: {cost['record_function']:.0f} ns.", "",
+          markdown_table(table, ["scenario", "ranges_per_step", "step_ms", "overhead_ms", "overhead_pct",
+                                 "rounds"],
+                         ["scenario", "ranges / step", "step ms (fastest)", "ranges ms", "overhead %",
+                          "rounds"]), "",
+          f"overhead % = ranges per step x {table.range_ns.iloc[0]:.0f} ns / step time. Step "
+          f"time: {table.clock.iloc[0]}.", ""]
+    (out / "overhead.md").write_text("\n".join(md))
+    print("\n".join(md))
+    print(f"files: {out / 'overhead.md'}, {out / 'overhead.csv'}")
+
+
+def _check_ranges(events: Events, scenarios: Sequence[str]) -> None:
+    expected = (["fp8_reload/load_weights", "fp8_reload/process_weights_after_loading"]
+                if any(s.startswith("reload") for s in scenarios) else [])
+    expected += ["fp8_reload/forward"] if "forward" in scenarios else []
+    missing = [n for n in expected if not any(r.name == n for r in events.ranges)]
+    if missing:
+        print(f"[profile] warning: the trace lacks ranges {missing}")
+
+
 def run_profile(args) -> int:
     """`fp8-reload profile`."""
     if args.out is None:
@@ -862,23 +891,7 @@ def run_profile(args) -> int:
     workload = _workload(args).resolve(out)
     if args.overhead:
         _prepare(workload)
-        table, cost = measure_overhead(workload, scenarios)
-        table.to_csv(out / "overhead.csv", index=False)
-        md = [f"# Trace overhead, no tool attached ({workload.preset}, {workload.device}, "
-              f"nvtx {'active' if trace.nvtx_active() else 'inactive'}, torch {torch.__version__})", "",
-              f"One range: {cost['with']:.0f} ns (`with trace.range(...)`; `with "
-              f"contextlib.nullcontext()` here: {cost['nullcontext']:.0f} ns), "
-              f"{cost['decorator']:.0f} ns (decorated call, over a plain call); "
-              f"`record_function` with no profiler running: {cost['record_function']:.0f} ns.", "",
-              markdown_table(table, ["scenario", "ranges_per_step", "step_ms", "overhead_ms",
-                                     "overhead_pct", "rounds"],
-                             ["scenario", "ranges / step", "step ms (fastest)", "ranges ms",
-                              "overhead %", "rounds"]), "",
-              f"overhead % = ranges per step x {table.range_ns.iloc[0]:.0f} ns / step time. Step "
-              f"time: {table.clock.iloc[0]}.", ""]
-        (out / "overhead.md").write_text("\n".join(md))
-        print("\n".join(md))
-        print(f"files: {out / 'overhead.md'}, {out / 'overhead.csv'}")
+        _write_overhead(out, workload, *measure_overhead(workload, scenarios))
         return 0
 
     nsys = shutil.which("nsys") if args.tool in ("auto", "nsys") else None
@@ -890,7 +903,9 @@ def run_profile(args) -> int:
     if nsys is not None:
         try:
             sqlite = profile_nsys(nsys, workload, scenarios, out)
-            paths = write_summary(load_nsys_sqlite(sqlite), out, title)
+            events = load_nsys_sqlite(sqlite)
+            _check_ranges(events, scenarios)
+            paths = write_summary(events, out, title)
             extra = [f"nsys stats {p}" for p in sorted(out.glob("nsys_stats*.csv"))]
             _print_files(sqlite, paths, extra)
             return 0
@@ -900,16 +915,15 @@ def run_profile(args) -> int:
             print(f"[profile] {e}; falling back to torch.profiler", flush=True)
     print(f"[profile] loading the model on {workload.device} and warming up", flush=True)
     _prepare(workload)
-    workload.warmup(scenarios)
+    try:
+        workload.warmup(scenarios)
+    except ReloadError as e:
+        raise SystemExit(f"fp8-reload profile: the warm-up reload failed "
+                         f"(processing={workload.processing!r}): {e}") from None
     print(f"[profile] profiling {', '.join(scenarios)} x{workload.repeat} under torch.profiler", flush=True)
     path = profile_torch(workload, scenarios, out)
     events = load_chrome_trace(path)
-    expected = (["fp8_reload/load_weights", "fp8_reload/process_weights_after_loading"]
-                if any(s.startswith("reload") for s in scenarios) else [])
-    expected += ["fp8_reload/forward"] if "forward" in scenarios else []
-    missing = [n for n in expected if not any(r.name == n for r in events.ranges)]
-    if missing:
-        print(f"[profile] warning: the trace lacks ranges {missing}")
+    _check_ranges(events, scenarios)
     paths = write_summary(events, out, title)
     _print_files(path, paths)
     return 0
