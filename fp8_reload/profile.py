@@ -217,7 +217,8 @@ def load_chrome_trace(path) -> Events:
             continue  # no launching call in the trace: cannot be attributed to a thread
         name = e.get("name", "")
         work.append(Work(name, kind, launch[0], launch[1], _ns(e.get("dur", 0)),
-                         int((e.get("args") or {}).get("bytes", 0) or 0), _short_kernel(name)))
+                         int((e.get("args") or {}).get("bytes", 0) or 0),
+                         _short_kernel(name) if kind == "kernel" else name))
     if device:
         return Events(ranges, work, "torch.profiler", "CUDA kernels and copies, by launching thread")
     parents = _nest(ops)
@@ -227,19 +228,17 @@ def load_chrome_trace(path) -> Events:
 
 
 def _short_kernel(name: str) -> str:
-    """`void at::native::foo<...>(...)` -> `foo`; keeps names without templates as they are."""
-    base = name.split("(")[0]
+    """`void at::native::(anonymous namespace)::foo<4, bar<1>>(int, float*)` -> `foo`."""
     depth, out = 0, []
-    for ch in base:
+    for ch in name.replace("(anonymous namespace)::", ""):
         if ch == "<":
             depth += 1
         elif ch == ">":
-            depth -= 1
+            depth = max(depth - 1, 0)
         elif depth == 0:
             out.append(ch)
-    base = "".join(out).strip()
-    base = base.split(" ")[-1]
-    return base.split("::")[-1] or name
+    base = "".join(out).split("(")[0].strip()
+    return base.split(" ")[-1].split("::")[-1] or name
 
 
 def attach_payloads(path, recorded: list[tuple[str, Optional[float]]]) -> int:

@@ -305,6 +305,19 @@ def test_nesting_and_innermost_rules():
     assert _innermost(ranges, work) == [2, 1, 3, -1, -1]
 
 
+def test_short_kernel_names():
+    from fp8_reload.profile import _short_kernel
+
+    assert _short_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::"
+                         "BinaryFunctor<float, float, float, at::native::MulFunctor<float>>, "
+                         "std::array<char*, 3>>(int, float*)") == "vectorized_elementwise_kernel"
+    assert _short_kernel("void at::native::(anonymous namespace)::indexSelectSmallIndex<float, long, "
+                         "unsigned int, 2, 2, -2>(cuda::detail::TensorInfo<float, unsigned int>)") \
+        == "indexSelectSmallIndex"
+    assert _short_kernel("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32") \
+        == "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32"
+
+
 def test_chrome_trace_gpu_attribution(tmp_path):
     """A CUDA torch.profiler trace: kernels are joined to launches through args.correlation."""
     ev = [
@@ -326,6 +339,11 @@ def test_chrome_trace_gpu_attribution(tmp_path):
     path.write_text(json.dumps({"traceEvents": ev}))
     events = load_chrome_trace(path)
     assert [w.name for w in events.work] == ["sm90_xmma_gemm_f32f32", "_quant_kernel"]  # not cpu ops
+    ev.append({"ph": "X", "cat": "cuda_runtime", "name": "cudaMemcpyAsync", "pid": 1, "tid": 7,
+               "ts": 13.0, "dur": 1.0, "args": {"correlation": 99}})  # now launched: a copy keeps its name
+    path.write_text(json.dumps({"traceEvents": ev}))
+    copy = [w for w in load_chrome_trace(path).work if w.kind == "memcpy"]
+    assert [(w.short, w.nbytes) for w in copy] == [("Memcpy HtoD", 1024)]
     summary, work = analyze(events)
     row = summary.iloc[0]
     assert row.kernels == 2 and row.kernel_ms == pytest.approx(0.006) and row.payload_total == 32
