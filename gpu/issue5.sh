@@ -162,7 +162,7 @@ timeout 180 $PY -m fp8_reload.cli profile --out "$OUT/overhead" --overhead --dev
 
 if command -v nsys >/dev/null; then
     say "6. profile with nsys on PATH (here nsys cannot export: expect the torch.profiler fallback)"
-    timeout 150 $PY -m fp8_reload.cli profile --out "$OUT/profile_auto" --device cuda --preset tiny \
+    timeout 120 $PY -m fp8_reload.cli profile --out "$OUT/profile_auto" --device cuda --preset tiny \
         --scenario reload-filtered --repeat 1 2>&1 | grep -E '^\[profile\]|nsys|files:|  trace ' | head -20
 fi
 
