@@ -30,6 +30,7 @@ from safetensors.torch import load_file, save_file
 from .config import MoEConfig
 from .errors import CheckpointError
 from .quant import FP8_MAX, amax_scale, quantize_static
+from . import trace
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -299,6 +300,7 @@ class TensorInfo:
     nbytes: int
 
 
+@trace.range("fp8_reload/shard_header")
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     """Parse and validate a safetensors header without reading tensor data."""
     try:
@@ -346,6 +348,7 @@ class Checkpoint:
     validates them; no tensor data is read until `read` is called.
     """
 
+    @trace.range("fp8_reload/index_read")
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
@@ -436,13 +439,15 @@ class Checkpoint:
             if info.file != current:
                 fpath = self.path / info.file
                 try:
-                    handle = safe_open(str(fpath), framework="pt")
+                    with trace.range("fp8_reload/shard_open"):
+                        handle = safe_open(str(fpath), framework="pt")
                 except Exception as e:  # safetensors raises its own error types
                     raise CheckpointError(f"{fpath}: cannot open: {e}") from None
                 current = info.file
                 stats["files_opened"] += 1
             try:
-                tensor = handle.get_tensor(info.name)
+                with trace.range("fp8_reload/tensor_read", payload=info.nbytes):
+                    tensor = handle.get_tensor(info.name)
             except Exception as e:
                 raise CheckpointError(f"{self.path / info.file}: cannot read tensor {info.name!r}: {e}") from None
             stats["bytes_read"] += info.nbytes

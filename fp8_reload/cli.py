@@ -73,6 +73,12 @@ def _cmd_sglang_launch(args) -> int:
     return launch(server_args, check=args.check)
 
 
+def _cmd_profile(args) -> int:
+    from .profile import run_profile
+
+    return run_profile(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -154,6 +160,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("server_args", nargs=argparse.REMAINDER,
                    help="arguments for sglang.launch_server (after --)")
     s.set_defaults(func=_cmd_sglang_launch)
+    from .profile import add_arguments as _profile_arguments  # light: no model code imported
+    pr = sub.add_parser("profile", help="profile a reload / forward (nsys if present, else torch.profiler)")
+    _profile_arguments(pr)
+    pr.set_defaults(func=_cmd_profile)
     return p
 
 

@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
+from . import trace
 from .quant import dequantize, quantize_dynamic, quantize_static
 
 DEFAULT_BACKEND = "torch"
@@ -94,28 +95,35 @@ def moe_forward_torch(layer, x: torch.Tensor, topk_weights: torch.Tensor,
     """
     w13_s, w2_s, a13, a2 = moe_kernel_scales(layer)
     inter = layer.intermediate_size
-    if quantize_activations:
-        xq, xs = _quant_act(x, a13)
-        xf = dequantize(xq, xs)
-    else:
-        xf = x.float()
+    with trace.range("fp8_reload/act_quant", payload=x.shape[0]):
+        if quantize_activations:
+            xq, xs = _quant_act(x, a13)
+            xf = dequantize(xq, xs)
+        else:
+            xf = x.float()
     experts = torch.unique(topk_ids).tolist()
     acts = {}
     for e in experts:
         tok, slot = (topk_ids == e).nonzero(as_tuple=True)
-        h = xf.index_select(0, tok) @ dequantize(layer.w13_weight[e], w13_s[e]).t()
-        acts[e] = (tok, slot, F.silu(h[:, :inter]) * h[:, inter:])
+        with trace.range("fp8_reload/gemm_w13", payload=tok.numel()):
+            h = xf.index_select(0, tok) @ dequantize(layer.w13_weight[e], w13_s[e]).t()
+        with trace.range("fp8_reload/activation", payload=tok.numel()):
+            acts[e] = (tok, slot, F.silu(h[:, :inter]) * h[:, inter:])
     if quantize_activations and a2 is None and acts:
         # dynamic per-tensor scale over every routed token, as the fused kernel does
-        a2 = torch.stack([a.abs().amax() for _, _, a in acts.values()]).amax() / 448.0
-        a2 = a2.clamp(min=1e-12)
+        with trace.range("fp8_reload/act_quant"):
+            a2 = torch.stack([a.abs().amax() for _, _, a in acts.values()]).amax() / 448.0
+            a2 = a2.clamp(min=1e-12)
     out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
     for e in experts:
         tok, slot, a = acts[e]
         if quantize_activations:
-            a = dequantize(quantize_static(a, a2), a2)
-        y = a @ dequantize(layer.w2_weight[e], w2_s[e]).t()
-        out.index_add_(0, tok, y * topk_weights[tok, slot].unsqueeze(1).float())
+            with trace.range("fp8_reload/act_quant", payload=tok.numel()):
+                a = dequantize(quantize_static(a, a2), a2)
+        with trace.range("fp8_reload/gemm_w2", payload=tok.numel()):
+            y = a @ dequantize(layer.w2_weight[e], w2_s[e]).t()
+        with trace.range("fp8_reload/combine", payload=tok.numel()):
+            out.index_add_(0, tok, y * topk_weights[tok, slot].unsqueeze(1).float())
     return out.to(torch.bfloat16)
 
 
@@ -145,4 +153,5 @@ def run_moe(layer, x, topk_weights, topk_ids, backend: Optional[str] = None):
         why = f": {UNAVAILABLE[name]}" if name in UNAVAILABLE else ""
         raise BackendUnavailable(f"MoE backend {name!r} is not available here{why} "
                                  f"(available: {', '.join(BACKENDS)})")
-    return fn(layer, x, topk_weights, topk_ids)
+    with trace.range("fp8_reload/moe", payload=x.shape[0]):
+        return fn(layer, x, topk_weights, topk_ids)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import MoEConfig
+from . import trace
 
 # sglang's FusedMoeWeightScaleSupported.TENSOR.value
 PER_TENSOR = "tensor"
@@ -175,6 +176,7 @@ class Router(nn.Module):
             torch.empty(cfg.num_experts, cfg.hidden_size, dtype=torch.bfloat16, device=device),
             requires_grad=False)
 
+    @trace.range("fp8_reload/routing")
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = x.float() @ self.weight.float().t()
         probs = logits.softmax(dim=-1)
@@ -192,6 +194,7 @@ class MLP(nn.Module):
         self.gate_up_proj = Fp8Linear(hidden, [intermediate, intermediate], make_method(), device)
         self.down_proj = Fp8Linear(intermediate, [hidden], make_method(), device)
 
+    @trace.range("fp8_reload/mlp")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gu = self.gate_up_proj(x).float()
         g, u = gu.chunk(2, dim=-1)
@@ -233,6 +236,7 @@ class Attention(nn.Module):
         self.v_proj = Fp8Linear(h, [nh * self.v], make_method(), device)
         self.o_proj = Fp8Linear(nh * self.v, [h], make_method(), device)
 
+    @trace.range("fp8_reload/attention")
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_proj(x).float().view(t, self.nh, self.qk).transpose(0, 1)
@@ -301,7 +305,7 @@ class FP8MoEModel(nn.Module):
 
     def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """`backend` picks the MoE forward for this call; default: `set_backend`'s choice."""
-        with self.reload_lock:
+        with self.reload_lock, trace.range("fp8_reload/forward", payload=x.shape[0]):
             return self.model(x, backend=backend)
 
     def set_backend(self, backend: Optional[str]) -> None:
@@ -352,12 +356,13 @@ class FP8MoEModel(nn.Module):
             if pname not in params:
                 raise KeyError(f"no parameter {pname!r} for checkpoint tensor {name!r}")
             param = params[pname]
-            if "expert_id" in kw:
-                loader: Callable = param.weight_loader
-                loader(param, tensor, pname, shard_id=kw["shard_id"], expert_id=kw["expert_id"])
-            elif "loaded_shard_id" in kw:
-                param.weight_loader(param, tensor, kw["loaded_shard_id"])
-            else:
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            with trace.range("fp8_reload/weight_loader", payload=tensor.nbytes):
+                if "expert_id" in kw:
+                    loader: Callable = param.weight_loader
+                    loader(param, tensor, pname, shard_id=kw["shard_id"], expert_id=kw["expert_id"])
+                elif "loaded_shard_id" in kw:
+                    param.weight_loader(param, tensor, kw["loaded_shard_id"])
+                else:
+                    getattr(param, "weight_loader", default_weight_loader)(param, tensor)
             touched.add(module_name)
         return touched

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 from torch.nn import Parameter
 
+from . import trace
 from .layers import PER_TENSOR, set_weight_attrs
 from .quant import (FP8_DTYPE, amax_scale, dequantize, index_copy_, quantize_dynamic,
                     quantize_static, requantize)
@@ -124,6 +125,7 @@ def _shard_rows(layer, shard_id: Optional[int]) -> tuple[int, int]:
     return sum(layer.logical_widths[:shard_id]), layer.logical_widths[shard_id]
 
 
+@trace.range("fp8_reload/linear")
 def _linear_forward(x: torch.Tensor, w_kn: torch.Tensor, w_scale: torch.Tensor,
                     a_scale: Optional[torch.Tensor]) -> torch.Tensor:
     """Reference W8A8 GEMM: x [M, K] bf16, w_kn [K, N] FP8, per-tensor or [1, N] scales."""
@@ -467,6 +469,9 @@ def process_modules(modules: Iterable[tuple[str, nn.Module]]) -> list[str]:
     """Run each module's post-processing; returns the names processed."""
     done = []
     for name, module in modules:
-        module.quant_method.process_weights_after_loading(module)
+        experts = getattr(module, "loaded_experts", None)  # None: an Fp8Linear
+        with trace.range("fp8_reload/process_linear" if experts is None else "fp8_reload/process_moe",
+                         payload=None if experts is None else len(experts)):
+            module.quant_method.process_weights_after_loading(module)
         done.append(name)
     return done

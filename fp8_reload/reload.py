@@ -27,6 +27,7 @@ from .errors import (CheckpointError, CheckpointMismatchError, FilterMatchedNoth
 from .layers import EXPERT_RE, FP8MoEModel, FusedMoE
 from .processing import get_mode, process_modules
 from .quant import index_copy_
+from . import trace
 
 NameFilter = Callable[[str], bool]
 
@@ -63,7 +64,8 @@ class _Timer:
     def phase(self, name: str):
         t0 = time.perf_counter()
         try:
-            yield
+            with trace.phase(name):
+                yield
         finally:
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
 
@@ -270,6 +272,7 @@ def _sync(model: nn.Module) -> None:
         torch.cuda.synchronize(p.device)
 
 
+@trace.range("fp8_reload/reload")
 def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optional[NameFilter] = None,
                              *, scan_all: Optional[bool] = None,
                              postprocess_all: Optional[bool] = None) -> ReloadReport:
@@ -334,6 +337,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optio
     return report
 
 
+@trace.range("fp8_reload/invalidate_caches")
 def _invalidate_caches(model: FP8MoEModel) -> None:
     """Forward caches key on `weights_version`; drop any a backend keeps on the side."""
     for _, layer in model.moe_layers():
@@ -342,6 +346,7 @@ def _invalidate_caches(model: FP8MoEModel) -> None:
             cache.clear()
 
 
+@trace.range("fp8_reload/load_model")
 def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
     """Build the model a checkpoint describes on `device` and load it (a fresh load)."""
     mode = get_mode(processing)
