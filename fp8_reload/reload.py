@@ -437,9 +437,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optio
         progress = _Progress()
         with ExitStack() as held:
             with timer.phase("wait"):  # running forwards finish; new ones queue
-                held.enter_context(model.weights_lock.write())
-                _sync(model)
+                try:
+                    held.enter_context(model.weights_lock.write())
+                except RuntimeError as e:  # a reload from inside a forward of this model
+                    raise ReloadError(f"{ckpt.path}: {e}; nothing was written") from e
             try:
+                with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
+                    progress.doing = "waiting for running forwards"
+                    _sync(model)
                 with timer.phase("load"):
                     touched = None
                     with torch.no_grad():
