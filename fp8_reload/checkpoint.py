@@ -466,8 +466,8 @@ class Checkpoint:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
-        self.weight_map = self._weight_map()
         self._headers: dict[str, dict[str, TensorInfo]] = {}
+        self.weight_map = self._weight_map()
 
     def _quantization(self, qc) -> tuple[str, str]:
         where = f"{self.path / 'config.json'}: quantization_config"
