@@ -412,14 +412,21 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     data_len = size - data_start
     out = {name: _parse_entry(file, name, m, data_start, data_len)
            for name, m in header.items() if name != "__metadata__"}
-    # The data regions must tile [0, data_len) exactly, in offset order.
+    # The data regions must tile [0, data_len) exactly, in offset order: first no
+    # overlaps (two tensors sharing bytes), then no gaps.
+    ordered = sorted(out.values(), key=lambda i: (i.offset, i.nbytes))
+    end, last = data_start, None
+    for info in ordered:
+        if info.offset < end:
+            raise CorruptCheckpointError(f"{file}: corrupt header: tensor {info.name!r} overlaps "
+                                         f"the data of tensor {last!r}")
+        end, last = info.offset + info.nbytes, info.name
     pos, last = 0, None
-    for info in sorted(out.values(), key=lambda i: (i.offset, i.nbytes)):
+    for info in ordered:
         begin = info.offset - data_start
         if begin != pos:
-            what = "overlaps" if begin < pos else "leaves a gap before"
-            raise CorruptCheckpointError(f"{file}: corrupt header: tensor {info.name!r} {what} "
-                                         f"the previous tensor's data (offset {begin}, expected {pos})")
+            raise CorruptCheckpointError(f"{file}: corrupt header: {begin - pos} bytes before tensor "
+                                         f"{info.name!r} belong to no tensor")
         pos, last = begin + info.nbytes, info.name
     if pos != data_len:
         raise CorruptCheckpointError(f"{file}: corrupt: {data_len - pos} bytes after the last "

@@ -491,14 +491,23 @@ def _thread(fn, *args):
 
 @pytest.fixture(scope="module")
 def outputs(ckpts, tiny_cfg):
-    """Forward outputs of fresh seed-0 and seed-1 models for kind fp8."""
-    x = tokens(tiny_cfg)
-    return x, fr.load_model(ckpts["fp8", 0])(x), fr.load_model(ckpts["fp8", 1])(x)
+    """outputs(device): input and forward outputs of fresh seed-0 and seed-1 fp8 models."""
+    cache = {}
+
+    def get(device="cpu"):
+        if device not in cache:
+            x = tokens(tiny_cfg).to(device)
+            cache[device] = (x, fr.load_model(ckpts["fp8", 0], device=device)(x),
+                             fr.load_model(ckpts["fp8", 1], device=device)(x))
+        return cache[device]
+    return get
 
 
-def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, outputs, monkeypatch):
-    x, y0, y1 = outputs
-    model = fr.load_model(ckpts["fp8", 0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, outputs, monkeypatch,
+                                                                       device):
+    x, y0, y1 = outputs(device)
+    model = fr.load_model(ckpts["fp8", 0], device=device)
     gate = Gate(monkeypatch, FusedMoE, "_load_into_slot", at=40)  # mid-commit
     reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     assert gate.reached.wait(WAIT)
@@ -521,7 +530,7 @@ def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, o
 def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, outputs, monkeypatch):
     """Why a reader/writer rule: staging (disk reads, often most of a reload) does not
     stall serving; only the in-place commit does."""
-    x, y0, y1 = outputs
+    x, y0, y1 = outputs()
     model = fr.load_model(ckpts["fp8", 0])
     reached, release = threading.Event(), threading.Event()
     orig = Checkpoint.read
@@ -547,7 +556,7 @@ def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, output
 
 def test_a_waiting_reload_is_not_starved_by_new_forwards(ckpts, outputs, monkeypatch):
     """Writer preference: once a commit waits, forwards that arrive later queue behind it."""
-    x, y0, y1 = outputs
+    x, y0, y1 = outputs()
     model = fr.load_model(ckpts["fp8", 0])
     inside, leave = threading.Event(), threading.Event()
 
@@ -606,9 +615,11 @@ def test_two_reloads_serialize(ckpts, tmp_path, monkeypatch):
     assert fr.compare_states(fr.snapshot(fr.load_model(mixed)), fr.snapshot(model)) == []
 
 
-def test_many_forwards_during_many_reloads_see_old_or_new_never_a_mix(ckpts, outputs, monkeypatch):
-    x, y0, y1 = outputs
-    model = fr.load_model(ckpts["fp8", 0])
+@pytest.mark.parametrize("device", DEVICES)
+def test_many_forwards_during_many_reloads_see_old_or_new_never_a_mix(ckpts, outputs, monkeypatch,
+                                                                     device):
+    x, y0, y1 = outputs(device)
+    model = fr.load_model(ckpts["fp8", 0], device=device)
     orig = FusedMoE._load_into_slot
 
     def slow(self, *args, **kwargs):
@@ -648,7 +659,7 @@ def test_many_forwards_during_many_reloads_see_old_or_new_never_a_mix(ckpts, out
 
 
 def test_a_reload_from_inside_a_forward_is_refused_not_deadlocked(ckpts, outputs):
-    x, y0, _ = outputs
+    x, y0, _ = outputs()
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     errors = []
