@@ -434,6 +434,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optio
             report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
             with timer.phase("backup"):
                 saved = _capture_backup(model, [n for n, _ in staged], process_all, backup)
+            report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:
             with timer.phase("wait"):  # running forwards finish; new ones queue
@@ -476,7 +477,6 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optio
     report.bytes_read = stats["bytes_read"]
     report.files_opened = stats["files_opened"]
     report.experts_reloaded = _experts_by_layer(model, (n for n, _ in staged))
-    report.backup_bytes = saved.nbytes
     report.seconds["total"] = time.perf_counter() - t0
     model.checkpoint_path = ckpt.path
     return report

@@ -7,7 +7,7 @@ A header the reader accepts must also be readable by safetensors itself.
 
 Examples per run (x FP8_RELOAD_FUZZ_SCALE, default 1; a nightly run can use 10):
 structured headers 300, mutated real shards (end to end) 150, arbitrary bytes
-100, index files 200, config.json 100: 850 in all, about 15 s on 2 CPU cores.
+100, index files 200, config.json 100: 850 in all, 15-30 s on 2 shared CPU cores.
 """
 
 from __future__ import annotations

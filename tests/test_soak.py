@@ -65,6 +65,16 @@ def _no_leftovers(model) -> None:
         assert not getattr(m, "needs_processing", False), f"{name}: left unprocessed"
 
 
+@pytest.fixture
+def one_thread():
+    """Tiny tensors: intra-op threads only add overhead (2x slower on a shared 2-core box)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.mark.usefixtures("one_thread")
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=CUDA)])
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, capsys, kind, device):
