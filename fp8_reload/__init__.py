@@ -9,8 +9,10 @@
 
 from .checkpoint import Checkpoint, write_checkpoint
 from .config import MoEConfig
-from .errors import (CheckpointError, CheckpointMismatchError, FilterMatchedNothingError,
-                     ReloadError)
+from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
+                     CommitError, CorruptCheckpointError, FilterMatchedNothingError,
+                     InvalidTensorError, MissingTensorError, ReloadError, RollbackError,
+                     UnreadableCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .kernels import BackendUnavailable, available_backends
 from .layers import FP8MoEModel, FusedMoE
 from .processing import MODES
@@ -26,5 +28,7 @@ __all__ = [
     "generate_weight_name_filter", "ReloadReport", "ReloadError", "CheckpointError",
     "CheckpointMismatchError", "FilterMatchedNothingError", "BackendUnavailable",
     "available_backends", "FP8MoEModel", "FusedMoE", "MODES", "calc_diff", "snapshot", "Snapshot",
-    "compare_states",
+    "compare_states", "CheckpointNotFoundError", "UnreadableCheckpointError",
+    "CorruptCheckpointError", "MissingTensorError", "InvalidTensorError",
+    "UnsupportedCheckpointError", "UnsafeCheckpointError", "CommitError", "RollbackError",
 ]

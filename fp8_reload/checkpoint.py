@@ -20,24 +20,32 @@ import shutil
 import struct
 import zlib
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Iterable, Iterator, Optional
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from .config import MoEConfig
-from .errors import CheckpointError
+from .errors import (CheckpointNotFoundError, CorruptCheckpointError, MissingTensorError,
+                     UnreadableCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError)
 from .quant import FP8_MAX, amax_scale, quantize_static
 from . import trace
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
-PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".ckpt")
+# Weight files in these formats are unpickled by their usual loaders: refused, never opened.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# Other weight formats we recognise only to name them in the error.
+OTHER_WEIGHT_SUFFIXES = (".gguf", ".npz", ".npy", ".h5", ".msgpack", ".onnx")
 KINDS = ("fp8", "bf16")
-_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "BF16": torch.bfloat16,
-                       "F32": torch.float32, "F16": torch.float16}
+_SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                       "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                       "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
+                       "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                       "BOOL": torch.bool}
+# safetensors' own limit on the JSON header.
+MAX_HEADER_BYTES = 100_000_000
 
 
 # --------------------------------------------------------------------------
@@ -204,7 +212,7 @@ def shard_name(k: int, n: int) -> str:
 
 
 def _nbytes(shape, dtype) -> int:
-    return math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def write_checkpoint(path, cfg: MoEConfig, seed: int = 0, kind: str = "fp8",
@@ -288,6 +296,12 @@ def _progress(total: int, desc: str, show: bool):
 
 # --------------------------------------------------------------------------
 # Reader
+#
+# Safety: weight files are parsed as safetensors only (an 8-byte length, a JSON
+# header, raw bytes). Nothing is unpickled and no string from a checkpoint is
+# evaluated: JSON is parsed with `json`, tensor bytes are read at the offsets the
+# validated header gives. Every failure surfaces as a `CheckpointError` subclass
+# naming the file.
 # --------------------------------------------------------------------------
 
 @dataclass(frozen=True)
@@ -300,107 +314,284 @@ class TensorInfo:
     nbytes: int
 
 
+def _sniff_format(head: bytes) -> Optional[str]:
+    """Name the format of a file that failed to parse as safetensors, if recognisable."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (torch.save format: its data.pkl is a pickle)"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"a pickle (protocol {head[1]})"
+    if head.startswith(b"GGUF"):
+        return "a GGUF file"
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy .npy file"
+    return None
+
+
+def _refuse_sniffed(file: Path, head: bytes) -> None:
+    fmt = _sniff_format(head)
+    if fmt is None:
+        return
+    if "pickle" in fmt:
+        raise UnsafeCheckpointError(f"{file}: is {fmt}, not safetensors; refusing to load it "
+                                    "(unpickling runs code from the file)")
+    raise UnsupportedCheckpointError(f"{file}: is {fmt}, not safetensors")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_object(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def parse_json(raw: bytes, what) -> object:
+    """Strict JSON (UTF-8, no NaN/Infinity, no duplicate keys); CorruptCheckpointError otherwise."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant,
+                          object_pairs_hook=_unique_object)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CorruptCheckpointError(f"{what}: corrupt JSON: {str(e)[:200]}") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_entry(file: Path, name: str, meta, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{file}: header entry for tensor {name!r}"
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+        raise CorruptCheckpointError(f"{where} is not {{dtype, shape, data_offsets}}: {str(meta)[:200]}")
+    dtype_name, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype_name, str):
+        raise CorruptCheckpointError(f"{where}: dtype {dtype_name!r} is not a string")
+    dtype = _SAFETENSORS_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise UnsupportedCheckpointError(f"{where}: dtype {dtype_name[:40]!r} is not supported")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CorruptCheckpointError(f"{where}: shape {str(shape)[:100]} is not a list of "
+                                     "non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(v) for v in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise CorruptCheckpointError(f"{where}: data_offsets {str(offsets)[:100]} is not "
+                                     "[begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    nbytes = _nbytes(shape, dtype)
+    if end - begin != nbytes:
+        raise CorruptCheckpointError(f"{where}: data_offsets [{begin}, {end}) hold {end - begin} "
+                                     f"bytes, but {dtype_name} {shape} needs {nbytes}")
+    if end > data_len:
+        raise CorruptCheckpointError(f"{file}: truncated: tensor {name!r} needs data bytes up to "
+                                     f"{end}, the file has {data_len}")
+    return TensorInfo(name, file.name, dtype, tuple(shape), data_start + begin, nbytes)
+
+
 @trace.range("fp8_reload/shard_header")
 def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and validate a safetensors header without reading tensor data."""
+    """Parse and validate a safetensors header without reading tensor data.
+
+    As strict as the safetensors library: known dtypes, byte counts that match
+    shapes, data regions that tile the data section exactly. So a header that
+    passes here is one `safe_open` accepts, and every defect gets a message
+    naming the file (and the tensor) instead of a library error.
+    """
+    file = Path(file)
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
-                raise CheckpointError(f"{file}: truncated (no safetensors header)")
+                _refuse_sniffed(file, head)
+                raise CorruptCheckpointError(f"{file}: truncated: {len(head)} bytes, no safetensors header")
             (hlen,) = struct.unpack("<Q", head)
-            if hlen > min(size - 8, 100 << 20):
-                raise CheckpointError(f"{file}: corrupt header (claims {hlen} bytes)")
+            if hlen > min(size - 8, MAX_HEADER_BYTES):
+                _refuse_sniffed(file, head)
+                raise CorruptCheckpointError(
+                    f"{file}: corrupt or truncated header: claims {hlen} bytes, the file has "
+                    f"{size - 8} after the length")
             raw = f.read(hlen)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{file}: missing") from None
     except OSError as e:
-        raise CheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+        raise UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+    if len(raw) < hlen:  # the file shrank while we read it
+        raise CorruptCheckpointError(f"{file}: truncated header")
     try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not an object")
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{file}: corrupt header: {e}") from None
+        header = parse_json(raw, f"{file}: header")
+    except CorruptCheckpointError:
+        _refuse_sniffed(file, head)
+        raise
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{file}: corrupt header: not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise CorruptCheckpointError(f"{file}: corrupt header: __metadata__ is not a string map")
     data_start = 8 + hlen
-    out = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = _SAFETENSORS_DTYPES[meta["dtype"]]
-            shape = tuple(int(d) for d in meta["shape"])
-            begin, end = (int(v) for v in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(f"{file}: corrupt header entry for tensor {name!r}: {meta!r}") from None
-        nbytes = _nbytes(shape, dtype)
-        if end - begin != nbytes or begin < 0 or data_start + end > size:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} data [{begin}, {end}) does not fit "
-                f"(expected {nbytes} bytes, file has {size - data_start} data bytes): truncated file?")
-        out[name] = TensorInfo(name, file.name, dtype, shape, data_start + begin, nbytes)
+    data_len = size - data_start
+    out = {name: _parse_entry(file, name, m, data_start, data_len)
+           for name, m in header.items() if name != "__metadata__"}
+    # The data regions must tile [0, data_len) exactly, in offset order: first no
+    # overlaps (two tensors sharing bytes), then no gaps.
+    ordered = sorted(out.values(), key=lambda i: (i.offset, i.nbytes))
+    end, last = data_start, None
+    for info in ordered:
+        if info.offset < end:
+            raise CorruptCheckpointError(f"{file}: corrupt header: tensor {info.name!r} overlaps "
+                                         f"the data of tensor {last!r}")
+        end, last = info.offset + info.nbytes, info.name
+    pos, last = 0, None
+    for info in ordered:
+        begin = info.offset - data_start
+        if begin != pos:
+            raise CorruptCheckpointError(f"{file}: corrupt header: {begin - pos} bytes before tensor "
+                                         f"{info.name!r} belong to no tensor")
+        pos, last = begin + info.nbytes, info.name
+    if pos != data_len:
+        raise CorruptCheckpointError(f"{file}: corrupt: {data_len - pos} bytes after the last "
+                                     f"tensor ({last!r}) that no header entry covers")
     return out
+
+
+def _check_weight_file_name(index_file: Path, fname) -> None:
+    """An index may only name safetensors files inside the checkpoint directory."""
+    if not isinstance(fname, str) or not fname or "\x00" in fname:
+        raise CorruptCheckpointError(f"{index_file}: weight file name {str(fname)[:100]!r} is not a file name")
+    p = PurePosixPath(fname)
+    if p.is_absolute() or ".." in p.parts or "\\" in fname:
+        raise UnsafeCheckpointError(f"{index_file}: weight file {fname[:200]!r} lies outside the "
+                                    "checkpoint directory; refusing it")
+    suffix = p.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise UnsafeCheckpointError(f"{index_file}: weight file {fname[:200]!r} is a pickle format; "
+                                    "refusing to load it (unpickling runs code from the file). "
+                                    "Convert the checkpoint to safetensors.")
+    if suffix != ".safetensors":
+        raise UnsupportedCheckpointError(f"{index_file}: weight file {fname[:200]!r} is not "
+                                         "safetensors; only safetensors weights are loaded")
+
+
+def _open(fpath: Path):
+    try:
+        return open(fpath, "rb", buffering=0)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{fpath}: vanished while reading") from None
+    except OSError as e:
+        raise UnreadableCheckpointError(f"{fpath}: cannot open: {e.strerror or e}") from None
+
+
+def _read_tensor(handle, fpath: Path, info: TensorInfo) -> torch.Tensor:
+    """The bytes of one tensor (validated offsets), as a fresh CPU tensor."""
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    view = memoryview(buf.numpy())
+    got = 0
+    try:
+        handle.seek(info.offset)
+        while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
+            n = handle.readinto(view[got:])
+            if not n:
+                raise CorruptCheckpointError(
+                    f"{fpath}: truncated while reading tensor {info.name!r}: got {got} of "
+                    f"{info.nbytes} bytes (the file changed after its header was read?)")
+            got += n
+    except OSError as e:
+        raise UnreadableCheckpointError(f"{fpath}: cannot read tensor {info.name!r}: "
+                                        f"{e.strerror or e}") from None
+    return buf.view(info.dtype).reshape(info.shape)
 
 
 class Checkpoint:
     """A checkpoint directory: config, kind, and an index from tensor name to file.
 
-    Opening it reads `config.json`, the index and each shard's header, and
-    validates them; no tensor data is read until `read` is called.
+    Opening it reads `config.json`, the index and validates them; each shard's
+    header is read and validated on first use; no tensor data is read until
+    `read` is called.
     """
 
     @trace.range("fp8_reload/index_read")
     def __init__(self, path):
         self.path = Path(path)
         if not self.path.is_dir():
-            raise CheckpointError(f"{self.path}: checkpoint directory does not exist")
+            what = "is not a directory" if self.path.exists() else "checkpoint directory does not exist"
+            raise CheckpointNotFoundError(f"{self.path}: {what}")
         self.hf_config = self._read_json(self.path / "config.json")
+        if not isinstance(self.hf_config, dict):
+            raise CorruptCheckpointError(f"{self.path / 'config.json'}: not a JSON object")
         try:
             self.config = MoEConfig.from_hf_config(self.hf_config)
-        except ValueError as e:
-            raise CheckpointError(f"{self.path / 'config.json'}: {e}") from None
-        qc = self.hf_config.get("quantization_config")
-        if qc is None:
-            self.kind, self.activation_scheme = "bf16", "dynamic"
-        elif qc.get("quant_method") == "fp8":
-            self.kind, self.activation_scheme = "fp8", qc.get("activation_scheme", "dynamic")
-            if self.activation_scheme != "static":
-                raise CheckpointError(f"{self.path}: only the static activation scheme is supported "
-                                      f"for FP8 checkpoints, got {self.activation_scheme!r}")
-        else:
-            raise CheckpointError(f"{self.path}: unsupported quantization_config {qc!r}")
-        self.weight_map = self._weight_map()
+        except (KeyError, TypeError, ValueError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
+        self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self._headers: dict[str, dict[str, TensorInfo]] = {}
+        self.weight_map = self._weight_map()
+
+    def _quantization(self, qc) -> tuple[str, str]:
+        where = f"{self.path / 'config.json'}: quantization_config"
+        if qc is None:
+            return "bf16", "dynamic"
+        if not isinstance(qc, dict):
+            raise CorruptCheckpointError(f"{where} is not an object: {str(qc)[:100]}")
+        if qc.get("quant_method") != "fp8":
+            raise UnsupportedCheckpointError(f"{where}: quant_method {qc.get('quant_method')!r} is "
+                                             "not supported (only per-tensor 'fp8')")
+        if qc.get("weight_block_size") is not None:
+            raise UnsupportedCheckpointError(f"{where}: block-wise FP8 (weight_block_size "
+                                             f"{qc['weight_block_size']}) is not supported; only "
+                                             "per-tensor scales")
+        if qc.get("fmt", "e4m3") != "e4m3":
+            raise UnsupportedCheckpointError(f"{where}: fmt {qc.get('fmt')!r} is not supported (only e4m3)")
+        scheme = qc.get("activation_scheme", "dynamic")
+        if scheme != "static":
+            raise UnsupportedCheckpointError(f"{where}: only the static activation scheme is supported "
+                                             f"for FP8 checkpoints, got {scheme!r}")
+        return "fp8", scheme
 
     @staticmethod
-    def _read_json(file: Path) -> dict:
+    def _read_json(file: Path):
         try:
-            with open(file) as f:
-                return json.load(f)
+            raw = file.read_bytes()
         except FileNotFoundError:
-            raise CheckpointError(f"{file}: missing") from None
-        except (OSError, ValueError) as e:
-            raise CheckpointError(f"{file}: unreadable: {e}") from None
+            raise CheckpointNotFoundError(f"{file}: missing") from None
+        except OSError as e:
+            raise UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+        return parse_json(raw, file)
 
     def _weight_map(self) -> dict[str, str]:
         """Tensor name -> shard file, from the index (or the single file's header)."""
         index_file = self.path / INDEX_FILE
         if index_file.exists():
-            weight_map = self._read_json(index_file).get("weight_map")
+            index = self._read_json(index_file)
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
-                raise CheckpointError(f"{index_file}: no weight_map")
-            for fname in sorted(set(weight_map.values())):
-                if not isinstance(fname, str) or not fname.endswith(".safetensors"):
-                    raise CheckpointError(f"{index_file}: weight file {fname!r} is not safetensors; "
-                                          "refusing to load it (pickle formats can run code)")
+                raise CorruptCheckpointError(f"{index_file}: no weight_map (an object from tensor "
+                                             "name to file)")
+            files = set()
+            for fname in weight_map.values():
+                if not isinstance(fname, str):
+                    raise CorruptCheckpointError(f"{index_file}: weight file name {str(fname)[:100]!r} "
+                                                 "is not a string")
+                files.add(fname)
+            for fname in sorted(files):
+                _check_weight_file_name(index_file, fname)
             return weight_map
         if (self.path / SINGLE_FILE).exists():
             return {n: SINGLE_FILE for n in self._header(SINGLE_FILE)}
-        pickles = sorted(p.name for p in self.path.iterdir() if p.suffix in PICKLE_SUFFIXES)
+        files = sorted(p.name for p in self.path.iterdir())
+        pickles = [f for f in files if PurePosixPath(f).suffix.lower() in PICKLE_SUFFIXES]
         if pickles:
-            raise CheckpointError(
-                f"{self.path}: only pickle weight files ({', '.join(pickles)}); refusing to "
-                "load them (unpickling can run code). Convert the checkpoint to safetensors.")
-        raise CheckpointError(f"{self.path}: no {INDEX_FILE} and no {SINGLE_FILE}")
+            raise UnsafeCheckpointError(
+                f"{self.path}: only pickle weight files ({', '.join(pickles[:5])}); refusing to "
+                "load them (unpickling runs code from the file). Convert the checkpoint to safetensors.")
+        others = [f for f in files if PurePosixPath(f).suffix.lower() in OTHER_WEIGHT_SUFFIXES]
+        if others:
+            raise UnsupportedCheckpointError(f"{self.path}: weight files {', '.join(others[:5])} are "
+                                             "not safetensors; only safetensors weights are loaded")
+        raise CheckpointNotFoundError(f"{self.path}: no {INDEX_FILE} and no {SINGLE_FILE}")
 
     def _header(self, fname: str) -> dict[str, TensorInfo]:
         """A shard's parsed header; read on first use so a filtered reload opens only
@@ -408,17 +599,19 @@ class Checkpoint:
         if fname not in self._headers:
             fpath = self.path / fname
             if not fpath.exists():
-                raise CheckpointError(f"{self.path / INDEX_FILE}: names missing file {fname}")
+                raise CheckpointNotFoundError(f"{self.path / INDEX_FILE}: names file {fname}, "
+                                              f"which does not exist ({fpath})")
             self._headers[fname] = read_safetensors_header(fpath)
         return self._headers[fname]
 
     def info(self, name: str) -> TensorInfo:
         fname = self.weight_map.get(name)
         if fname is None:
-            raise CheckpointError(f"{self.path}: tensor {name!r} is not in the checkpoint")
+            raise MissingTensorError(f"{self.path}: tensor {name!r} is not in the checkpoint")
         info = self._header(fname).get(name)
         if info is None:
-            raise CheckpointError(f"{self.path / INDEX_FILE}: tensor {name!r} is not in {fname}")
+            raise MissingTensorError(f"{self.path / INDEX_FILE}: names tensor {name!r} in {fname}, "
+                                     f"but {self.path / fname} does not hold it")
         return info
 
     @property
@@ -428,6 +621,11 @@ class Checkpoint:
     def read(self, names: Iterable[str], stats: Optional[dict] = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, CPU tensor) for `names`, opening only the shards that hold them,
         in file and offset order. `stats` (if given) accumulates bytes_read and files_opened.
+
+        Each tensor's bytes are read into fresh host memory at the offsets the
+        validated header gives (no mmap: a file changed or truncated later cannot
+        fault a commit, and nothing is retained per read; safetensors' own
+        `get_tensor` keeps ~60 bytes per call, measured with 0.8.0).
         """
         infos = [self.info(name) for name in names]
         infos.sort(key=lambda i: (i.file, i.offset))
@@ -435,24 +633,23 @@ class Checkpoint:
         stats.setdefault("bytes_read", 0)
         stats.setdefault("files_opened", 0)
         current, handle = None, None
-        for info in infos:
-            if info.file != current:
-                fpath = self.path / info.file
-                try:
+        try:
+            for info in infos:
+                if info.file != current:
+                    if handle is not None:
+                        handle.close()
+                    fpath = self.path / info.file
                     with trace.range("fp8_reload/shard_open"):
-                        handle = safe_open(str(fpath), framework="pt")
-                except Exception as e:  # safetensors raises its own error types
-                    raise CheckpointError(f"{fpath}: cannot open: {e}") from None
-                current = info.file
-                stats["files_opened"] += 1
-            try:
+                        handle = _open(fpath)
+                    current = info.file
+                    stats["files_opened"] += 1
                 with trace.range("fp8_reload/tensor_read", payload=info.nbytes):
-                    tensor = handle.get_tensor(info.name)
-            except Exception as e:
-                raise CheckpointError(f"{self.path / info.file}: cannot read tensor {info.name!r}: {e}") from None
-            stats["bytes_read"] += info.nbytes
-            yield info.name, tensor
+                    tensor = _read_tensor(handle, fpath, info)
+                stats["bytes_read"] += info.nbytes
+                yield info.name, tensor
+        finally:
+            if handle is not None:
+                handle.close()
 
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.weight_map)
-

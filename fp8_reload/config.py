@@ -63,8 +63,12 @@ class MoEConfig:
         return cfg
 
     def validate(self) -> None:
-        if self.num_layers < 1:
-            raise ValueError("num_layers must be >= 1")
+        for f in ("hidden_size", "num_layers", "num_experts", "moe_intermediate_size",
+                  "intermediate_size", "num_heads", "qk_head_dim", "v_head_dim"):
+            if getattr(self, f) < 1:
+                raise ValueError(f"{f} must be >= 1, got {getattr(self, f)}")
+        if self.num_shared_experts < 0:
+            raise ValueError("num_shared_experts must be >= 0")
         if not 0 <= self.first_dense_layers <= self.num_layers:
             raise ValueError("first_dense_layers must lie in [0, num_layers]")
         if not 1 <= self.top_k <= self.num_experts:

@@ -1,4 +1,25 @@
-"""Errors a reload can raise. Every one leaves the model exactly as it was."""
+"""Errors a load or reload can raise.
+
+Every `ReloadError` except `RollbackError` leaves the model exactly as it was:
+problems with the checkpoint are found while planning and staging, before
+anything is written, and a failure while writing is rolled back. The classes
+say what went wrong, so a server can decide what to do (retry, alert, refuse a
+checkpoint) without parsing messages; the message names the file and tensor.
+
+    ReloadError
+    ├── CheckpointError               the checkpoint on disk is at fault
+    │   ├── CheckpointNotFoundError   directory, config.json or a shard is missing
+    │   ├── UnreadableCheckpointError a file exists but cannot be read (I/O error)
+    │   ├── CorruptCheckpointError    truncated file, corrupt header, bad JSON
+    │   ├── MissingTensorError        a needed tensor is absent (index or shard)
+    │   ├── InvalidTensorError        NaN/Inf/zero/negative scale
+    │   ├── UnsupportedCheckpointError  not safetensors, or a quantization we do not do
+    │   └── UnsafeCheckpointError     pickle weights, paths leaving the directory
+    ├── CheckpointMismatchError       does not fit the model: config, shape, dtype, name
+    ├── FilterMatchedNothingError     the weight_name_filter selected nothing
+    ├── CommitError                   writing or post-processing failed; rolled back
+    └── RollbackError                 ... and the rollback failed too: state undefined
+"""
 
 
 class ReloadError(RuntimeError):
@@ -9,9 +30,47 @@ class CheckpointError(ReloadError):
     """The checkpoint on disk is missing, unreadable, malformed or unsafe."""
 
 
+class CheckpointNotFoundError(CheckpointError):
+    """The directory, its config.json, or a file the index names does not exist."""
+
+
+class UnreadableCheckpointError(CheckpointError):
+    """A checkpoint file exists but reading it failed (permissions, I/O error)."""
+
+
+class CorruptCheckpointError(CheckpointError):
+    """A file is truncated or its header/JSON is malformed."""
+
+
+class MissingTensorError(CheckpointError):
+    """A tensor the reload needs is not in the checkpoint (or not where the index says)."""
+
+
+class InvalidTensorError(CheckpointError):
+    """A tensor has the right name, shape and dtype but unusable values (bad scales)."""
+
+
+class UnsupportedCheckpointError(CheckpointError):
+    """Not a safetensors checkpoint, or a quantization scheme this loader does not do."""
+
+
+class UnsafeCheckpointError(UnsupportedCheckpointError):
+    """Loading would mean unpickling (running code from the file) or leaving the directory."""
+
+
 class CheckpointMismatchError(ReloadError):
-    """The checkpoint does not fit the loaded model (shapes, dtypes, config)."""
+    """The checkpoint does not fit the loaded model (shapes, dtypes, config, names)."""
 
 
 class FilterMatchedNothingError(ReloadError):
     """A weight_name_filter selected no tensor of the checkpoint."""
+
+
+class CommitError(ReloadError):
+    """Writing weights or post-processing failed part-way; the touched slices were
+    restored, so the model is bit-identical to before. `__cause__` holds the fault."""
+
+
+class RollbackError(ReloadError):
+    """A commit failed and restoring the backup failed too: the model's weights are
+    undefined. Only a full reload is accepted until one succeeds."""

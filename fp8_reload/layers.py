@@ -29,6 +29,7 @@ from torch import nn
 
 from .config import MoEConfig
 from . import trace
+from .locks import WeightsLock
 
 # sglang's FusedMoeWeightScaleSupported.TENSOR.value
 PER_TENSOR = "tensor"
@@ -300,12 +301,14 @@ class FP8MoEModel(nn.Module):
         make_linear = lambda: mode.linear_method(fp8_ckpt)  # noqa: E731
         make_moe = lambda: mode.moe_method(fp8_ckpt)  # noqa: E731
         self.model = DecoderStack(cfg, make_linear, make_moe, device, **moe_kwargs)
-        # One reload at a time; forwards wait for a reload to finish (see reload.py).
+        # One reload at a time; forwards share `weights_lock`, a reload's commit takes it
+        # exclusively, so no forward sees a half-written layer (rule: locks.py).
         self.reload_lock = threading.RLock()
+        self.weights_lock = WeightsLock()
 
     def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
         """`backend` picks the MoE forward for this call; default: `set_backend`'s choice."""
-        with self.reload_lock, trace.range("fp8_reload/forward", payload=x.shape[0]):
+        with self.weights_lock.read(), trace.range("fp8_reload/forward", payload=x.shape[0]):
             return self.model(x, backend=backend)
 
     def set_backend(self, backend: Optional[str]) -> None:

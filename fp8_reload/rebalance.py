@@ -34,8 +34,9 @@ Works with ``gloo`` on CPU and ``nccl`` on GPUs.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
-import pickle
 import socket
 import tempfile
 import time
@@ -582,14 +583,56 @@ def warm_up_p2p(group=None) -> None:
     dist.barrier(group=group)
 
 
+# Dataclasses a rank may return (decoded back by name); RebalanceReport is added below.
+_REPORTS = {"ReloadReport": ReloadReport, "Placement": Placement}
+
+
+def _encode(obj):
+    """JSON-ready form of a rank's result: keeps tuples, non-string dict keys and reports."""
+    if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REPORTS:
+        return {"__report__": type(obj).__name__,
+                "fields": {f.name: _encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+    if isinstance(obj, torch.Tensor):
+        return {"__tensor__": obj.tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
+    if isinstance(obj, dict):
+        if all(isinstance(k, str) for k in obj):
+            return {k: _encode(v) for k, v in obj.items()}
+        return {"__items__": [[_encode(k), _encode(v)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_encode(v) for v in obj]}
+    if isinstance(obj, list):
+        return [_encode(v) for v in obj]
+    return obj
+
+
+def _decode(obj):
+    if isinstance(obj, dict):
+        if set(obj) == {"__report__", "fields"}:
+            return _REPORTS[obj["__report__"]](**_decode(obj["fields"]))
+        if set(obj) == {"__tensor__", "dtype"}:
+            return torch.tensor(obj["__tensor__"], dtype=getattr(torch, obj["dtype"]))
+        if set(obj) == {"__items__"}:
+            return {_decode(k): _decode(v) for k, v in obj["__items__"]}
+        if set(obj) == {"__tuple__"}:
+            return tuple(_decode(v) for v in obj["__tuple__"])
+        return {k: _decode(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_decode(v) for v in obj]
+    return obj
+
+
+_REPORTS["RebalanceReport"] = RebalanceReport
+
+
 def _spawn_entry(rank, world_size, backend, port, fn, args, out_dir):
     os.environ["LOCAL_RANK"] = str(rank)
     _share_cpu(backend, world_size)
     device = init_rank(backend, rank, world_size, f"tcp://127.0.0.1:{port}")
     try:
         result = fn(rank, world_size, device, *args)
-        with open(Path(out_dir) / f"rank{rank}.pkl", "wb") as f:
-            pickle.dump(result, f)
+        # JSON, not pickle: the library never unpickles anything (tests/test_reliability.py)
+        with open(Path(out_dir) / f"rank{rank}.json", "w") as f:
+            json.dump(_encode(result), f)
     finally:
         dist.destroy_process_group()
 
@@ -615,8 +658,8 @@ def run_ranks(fn: Callable, world_size: int, backend: str, *args) -> list:
                  nprocs=world_size, join=True)
         results = []
         for r in range(world_size):
-            with open(Path(out) / f"rank{r}.pkl", "rb") as f:
-                results.append(pickle.load(f))
+            with open(Path(out) / f"rank{r}.json") as f:
+                results.append(_decode(json.load(f)))
         return results
 
 
