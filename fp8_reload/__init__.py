@@ -18,6 +18,7 @@ from .layers import FP8MoEModel, FusedMoE
 from .processing import MODES
 from .quant import calc_diff
 from .reload import ReloadReport, generate_weight_name_filter, load_model, update_weights_from_disk
+from .staging import release_staging
 from . import state
 from .state import Snapshot, compare_states, snapshot
 

@@ -42,7 +42,7 @@ from .errors import (CheckpointMismatchError, CommitError, FilterMatchedNothingE
 from .layers import EXPERT_RE, FP8MoEModel, FusedMoE
 from .processing import get_mode, process_modules
 from .quant import index_copy_
-from . import trace
+from . import staging, trace
 
 NameFilter = Callable[[str], bool]
 
@@ -183,27 +183,44 @@ def _check_layout(name: str, shape, dtype, expected, ckpt: Checkpoint) -> None:
                                       f"{want_dtype}")
 
 
-def _validate(name: str, tensor: torch.Tensor, expected, ckpt: Checkpoint) -> None:
-    _check_layout(name, tensor.shape, tensor.dtype, expected, ckpt)
-    if name.endswith("_scale"):
-        bad = ~torch.isfinite(tensor) | (tensor <= 0)
-        if bool(bad.any()):
-            raise InvalidTensorError(f"{_where(ckpt, name)}: scale must be finite and positive, "
-                                     f"got {tensor.tolist()}")
+def _validate(staged: list[tuple[str, torch.Tensor]], expected, ckpt: Checkpoint) -> None:
+    """Layout of every tensor; scales finite and positive (checked all at once)."""
+    scales = []
+    for name, tensor in staged:
+        _check_layout(name, tensor.shape, tensor.dtype, expected, ckpt)
+        if name.endswith("_scale"):
+            scales.append((name, tensor))
+    if not scales:
+        return
+    values = torch.stack([t.reshape(()) if t.numel() == 1 else t.max() for _, t in scales])
+    if bool((~torch.isfinite(values) | (values <= 0)).any()):
+        for name, tensor in scales:  # rare path: name the first bad one
+            if bool((~torch.isfinite(tensor) | (tensor <= 0)).any()):
+                raise InvalidTensorError(f"{_where(ckpt, name)}: scale must be finite and "
+                                         f"positive, got {tensor.tolist()}")
+
+
+def _on_cuda(model: nn.Module) -> bool:
+    p = next(model.parameters(), None)
+    return p is not None and p.is_cuda
 
 
 def _stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_all: bool,
            stats: dict) -> list[tuple[str, torch.Tensor]]:
-    """Read and validate every selected tensor into host memory (nothing is written)."""
+    """Read and validate every selected tensor into host memory (nothing is written).
+
+    Onto a GPU the tensors land in the model's pinned staging arena (parallel
+    reads; every host-to-device copy of the commit is then one async DMA).
+    """
     expected = _expected_layout(model)
     if scan_all:  # upstream: read everything, filter afterwards
         it = ckpt.read(ckpt.names, stats)
         keep = set(names)
         staged = [(n, t) for n, t in it if n in keep]
     else:
-        staged = list(ckpt.read(names, stats))
-    for n, t in staged:
-        _validate(n, t, expected, ckpt)
+        into = staging.arena(model, "staging") if _on_cuda(model) else None
+        staged = list(ckpt.read(names, stats, into=into))
+    _validate(staged, expected, ckpt)
     return staged
 
 
@@ -244,16 +261,32 @@ class _Backup:
         self.where = where
         self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
         self.copies: list[tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, Optional[torch.Tensor]]] = []
         self.nbytes = 0
 
     def _copy(self, tensor: torch.Tensor, index: Optional[torch.Tensor]) -> None:
-        device = "cpu" if self.where == "host" else tensor.device
-        if index is None:
-            copy = tensor.to(device, copy=True)
-        else:  # index_select already copies: move it only if it is not where we keep it
-            copy = tensor.index_select(0, index.to(tensor.device)).to(device)
-        self.copies.append((tensor, index, copy))
-        self.nbytes += copy.numel() * copy.element_size()
+        self.pending.append((tensor, index))
+
+    def run(self, arena=None) -> None:
+        """Make the copies planned by `capture`. With `arena` (host backups of a GPU
+        model) they go into its pinned memory as async device-to-host copies, which
+        the stream orders before the commit's writes."""
+        sizes = [(t.numel() if i is None else i.numel() * t[0].numel()) * t.element_size()
+                 for t, i in self.pending]
+        if arena is not None:
+            arena.reset(sum(staging.aligned(n) for n in sizes))
+        for (tensor, index), n in zip(self.pending, sizes):
+            src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
+            if arena is not None:
+                copy = staging.typed_slice(arena, src.dtype, src.shape)
+                copy.copy_(src, non_blocking=True)
+            elif self.where == "host":
+                copy = src.to("cpu", copy=index is None)
+            else:
+                copy = src.clone() if index is None else src
+            self.copies.append((tensor, index, copy))
+            self.nbytes += n
+        self.pending = []
 
     def capture(self, module: nn.Module, slots: Optional[list[int]]) -> None:
         params = dict(module._parameters)
@@ -313,6 +346,8 @@ def _capture_backup(model: FP8MoEModel, names: list[str], process_all: bool,
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))
+    gpu_host = where == "host" and _on_cuda(model)
+    backup.run(staging.arena(model, "backup") if gpu_host else None)
     return backup
 
 

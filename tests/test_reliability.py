@@ -215,8 +215,8 @@ def test_out_of_memory_while_staging_is_a_reload_error_and_writes_nothing(ckpts,
     before = fr.snapshot(model)
     orig = Checkpoint.read
 
-    def read_then_oom(self, names, stats=None):
-        for i, item in enumerate(orig(self, names, stats)):
+    def read_then_oom(self, names, stats=None, into=None):
+        for i, item in enumerate(orig(self, names, stats, into=into)):
             if i == 5:
                 raise MemoryError("host out of memory")
             yield item
@@ -535,8 +535,8 @@ def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, output
     reached, release = threading.Event(), threading.Event()
     orig = Checkpoint.read
 
-    def slow_read(self, names, stats=None):
-        for i, item in enumerate(orig(self, names, stats)):
+    def slow_read(self, names, stats=None, into=None):
+        for i, item in enumerate(orig(self, names, stats, into=into)):
             if i == 1:
                 reached.set()
                 assert release.wait(WAIT)
