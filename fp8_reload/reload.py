@@ -25,6 +25,7 @@ transaction costs) and per-phase `seconds`.
 
 from __future__ import annotations
 
+import os
 import re
 import signal
 import threading
@@ -36,7 +37,7 @@ from typing import Callable, Iterable, Optional
 import torch
 from torch import nn
 
-from .checkpoint import Checkpoint, tensor_layout
+from .checkpoint import INDEX_FILE, Checkpoint, tensor_layout
 from .errors import (CheckpointMismatchError, CommitError, FilterMatchedNothingError,
                      InvalidTensorError, MissingTensorError, ReloadError, RollbackError)
 from .layers import EXPERT_RE, FP8MoEModel, FusedMoE
@@ -114,6 +115,45 @@ def _unit(model: FP8MoEModel, name: str) -> tuple[str, Optional[int]]:
     return module, kw.get("expert_id")
 
 
+def _units(model: FP8MoEModel) -> tuple[dict, dict]:
+    """(name -> unit, unit -> names in checkpoint order) of the model's layout, cached."""
+    cached = model.__dict__.get("_units_cache")
+    if cached is None:
+        of, members = {}, {}
+        for n in _expected_layout(model):
+            u = of[n] = _unit(model, n)
+            members.setdefault(u, []).append(n)
+        cached = model.__dict__["_units_cache"] = (of, members)
+    return cached
+
+
+def _file_stamp(path) -> Optional[tuple]:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _checkpoint_stamp(ckpt: Checkpoint) -> tuple:
+    files = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
+    return tuple(_file_stamp(ckpt.path / f) for f in files)
+
+
+def _open_checkpoint(model: FP8MoEModel, path) -> Checkpoint:
+    """The checkpoint at `path`, reusing the index and shard headers parsed by the
+    previous reload from the same path when none of its files changed (size,
+    mtime, ctime, inode): EPLB reloads one checkpoint many times, and parsing
+    its JSON is most of a small reload's planning."""
+    key = os.path.realpath(path)
+    cached = model.__dict__.get("_checkpoint_cache")
+    if cached is not None and cached[0] == key and cached[1] == _checkpoint_stamp(cached[2]):
+        return cached[2]
+    ckpt = Checkpoint(path)
+    model.__dict__["_checkpoint_cache"] = (key, _checkpoint_stamp(ckpt), ckpt)
+    return ckpt
+
+
 def _expected_layout(model: FP8MoEModel) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     cached = getattr(model, "_expected_layout", None)
     if cached is None:
@@ -161,8 +201,9 @@ def _plan(model: FP8MoEModel, ckpt: Checkpoint, weight_name_filter: Optional[Nam
             raise FilterMatchedNothingError(f"{ckpt.path}: weight_name_filter matched none of the "
                                             f"{len(ckpt.names)} tensors of the checkpoint")
         if expand_units:
-            units = {_unit(model, n) for n in selected}
-            selected = [n for n in expected if _unit(model, n) in units]
+            unit_of, members = _units(model)
+            units = {unit_of[n] for n in selected}
+            selected = [n for n in expected if unit_of[n] in units]
             absent = [n for n in selected if n not in ckpt.weight_map]
             if absent:
                 raise MissingTensorError(f"{ckpt.path}: tensor {absent[0]!r} is missing; it belongs "
@@ -464,7 +505,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: Optio
         stats: dict = {}
         with _nothing_written(path):
             with timer.phase("plan"):
-                ckpt = Checkpoint(path)
+                ckpt = _open_checkpoint(model, path)
                 _check_compatible(model, ckpt)
                 names = _plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
             with timer.phase("read"):

@@ -277,3 +277,25 @@ def test_generate_weight_name_filter():
     assert not f("model.layers.13.mlp.experts.7.up_proj.weight")
     assert not f("model.layers.3.mlp.shared_experts.up_proj.weight")
     assert not f("model.layers.3.self_attn.q_proj.weight")
+
+
+def test_planning_reuses_the_parsed_checkpoint_until_a_file_changes(ckpts, tmp_path):
+    from .conftest import copy_checkpoint, rewrite_tensor
+
+    path = copy_checkpoint(ckpts["fp8", 0], tmp_path / "c")
+    model = fr.load_model(path)
+    flt = fr.generate_weight_name_filter({1: [2]})
+    fr.update_weights_from_disk(model, path, flt)
+    first = model._checkpoint_cache[2]
+    fr.update_weights_from_disk(model, path, flt)
+    assert model._checkpoint_cache[2] is first  # nothing changed: index and headers reused
+    name = "model.layers.1.mlp.experts.2.gate_proj.weight_scale"
+    rewrite_tensor(path, name, lambda t: t * 2)  # rewritten in place: the stamp changes
+    before = fr.snapshot(model)
+    fr.update_weights_from_disk(model, path, flt)
+    assert model._checkpoint_cache[2] is not first
+    assert fr.compare_states(before, fr.snapshot(model)) != []  # the new scale was read
+    shard = path / fr.Checkpoint(path).weight_map[name]
+    shard.unlink()
+    with pytest.raises(fr.CheckpointError):
+        fr.update_weights_from_disk(model, path, flt)
