@@ -86,10 +86,10 @@ def kernel_w13_scale(scale: torch.Tensor) -> torch.Tensor:
 def per_tensor_block_scales(scale: torch.Tensor, weight_shape, block: int = DEEPGEMM_BLOCK) -> torch.Tensor:
     """Per-expert scales ([E], or [E, 2] with equal columns) as DeepGEMM's
     ``[E, ceil(N / block), ceil(K / block)]`` block scales."""
-    per_expert = kernel_w13_scale(scale)
+    from .kernels_deepgemm import expand_block_scales
+
     _, n, k = weight_shape
-    nb, kb = -(-n // block), -(-k // block)
-    return per_expert[:, None, None].expand(-1, nb, kb).contiguous()
+    return expand_block_scales(kernel_w13_scale(scale), n, k, block)
 
 
 # --------------------------------------------------------------------------
