@@ -27,8 +27,8 @@ Environment knobs (all optional):
 ``FP8_RELOAD_BENCH_TOKENS``   comma list of token counts for forward benchmarks
 ``FP8_RELOAD_BENCH_DIR``      keep checkpoints here across runs (default: asv's
                               temporary directory, rewritten every run)
-``FP8_RELOAD_BENCH_THREADS``  torch CPU threads (default 1 on CPU, so numbers from
-                              a shared CI box are comparable; torch's default on CUDA)
+``FP8_RELOAD_BENCH_THREADS``  torch CPU threads (default under asv: 1 on CPU, so numbers
+                              from a shared CI box are comparable; torch's default on CUDA)
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ FRACTIONS = ["1/layer", "10%", "50%", "100%"]
 BACKENDS = ["torch", "triton", "deep_gemm"]
 
 _threads = os.environ.get("FP8_RELOAD_BENCH_THREADS")
-if _threads or not ON_CUDA:
+if _threads or (os.environ.get("ASV") and not ON_CUDA):  # only inside asv's processes
     torch.set_num_threads(int(_threads or 1))
 
 

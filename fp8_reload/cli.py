@@ -79,6 +79,29 @@ def _cmd_profile(args) -> int:
     return run_profile(args)
 
 
+def _cmd_report(args) -> int:
+    from .report import write_report
+
+    try:
+        written = write_report(args.results, args.out, machine=args.machine, commit=args.commit)
+    except FileNotFoundError as e:
+        print(f"fp8-reload report: {e}", file=sys.stderr)
+        return 2
+    print((written["headline.md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0
+
+
+def _cmd_regress(args) -> int:
+    from .regress import regress, regress_files
+
+    if args.files:
+        return regress_files(args.base, args.head, args.threshold, show_all=args.all)
+    return regress(args.base, args.head, bench=args.bench, threshold=args.threshold,
+                   quick=args.quick, launch_method=args.launch_method, machine=args.machine,
+                   extra=args.asv_args, keep=args.keep)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="fp8-reload", description=__doc__.split("\n")[0])
     sub = p.add_subparsers(dest="command", required=True)
@@ -164,6 +187,33 @@ def build_parser() -> argparse.ArgumentParser:
     pr = sub.add_parser("profile", help="profile a reload / forward (nsys if present, else torch.profiler)")
     _profile_arguments(pr)
     pr.set_defaults(func=_cmd_profile)
+
+    r = sub.add_parser("report", help="headline table, CSV and plots from the asv results")
+    r.add_argument("--results", default="results/asv", help="asv results directory")
+    r.add_argument("--out", default="results/report", help="where to write tables and plots")
+    r.add_argument("--machine", default=None, help="only this asv machine (default: all)")
+    r.add_argument("--commit", default=None, help="this commit (hash prefix) instead of the newest run")
+    r.set_defaults(func=_cmd_report)
+
+    g = sub.add_parser("regress", help="run the asv suite on two commits; exit 1 on a slowdown",
+                       description="Run this checkout's asv suite against the code of BASE and "
+                       "HEAD (git worktrees, no environment builds) and exit 1 if any benchmark "
+                       "is >= --threshold slower (or fails) in HEAD. With --files, BASE and HEAD "
+                       "are two asv result files to compare instead.")
+    g.add_argument("base", help="base commit (or result file with --files)")
+    g.add_argument("head", help="head commit (or result file with --files)")
+    g.add_argument("--threshold", type=float, default=0.10, help="relative slowdown that fails (0.10)")
+    g.add_argument("-b", "--bench", action="append", default=None,
+                   help="asv --bench regex (repeatable; default: the whole suite)")
+    g.add_argument("--quick", action="store_true", help="one sample per benchmark (asv --quick)")
+    g.add_argument("--launch-method", default="spawn", choices=("spawn", "forkserver"),
+                   help="spawn (CUDA-safe, default) or forkserver (much faster on CPU)")
+    g.add_argument("--machine", default=None, help="asv machine name")
+    g.add_argument("--keep", default=None, help="keep worktrees/results in this directory")
+    g.add_argument("--files", action="store_true", help="compare two existing asv result files")
+    g.add_argument("--all", action="store_true", help="with --files: list unchanged benchmarks too")
+    g.add_argument("asv_args", nargs="*", help="extra `asv run` arguments after --")
+    g.set_defaults(func=_cmd_regress)
     return p
 
 

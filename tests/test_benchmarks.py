@@ -1,0 +1,226 @@
+"""The asv suite itself: every benchmark runs (or skips cleanly) on the tiny preset.
+
+Two levels:
+* in process: each benchmark's setup_cache, setup and one call for every
+  parameter set, like `asv run --quick` without the process per benchmark;
+  checks the values make sense (bytes agree between reload and raw bound, each
+  timed post-processing starts from the same state);
+* end to end: a real `asv run --python=same --quick` on the working tree,
+  results file checked for failures (needs asv and a git checkout).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import itertools
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import fp8_reload as fr
+
+REPO = Path(__file__).resolve().parents[1]
+MODULES = ["reload", "processing", "forward", "accuracy"]
+# Why a benchmark may skip on a machine without CUDA.
+CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not registered")
+ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32"}
+
+
+@pytest.fixture(scope="module")
+def suite():
+    """The benchmark modules imported with tiny parameters (params are fixed at import)."""
+    saved = {k: os.environ.get(k) for k in ENV}
+    threads = torch.get_num_threads()
+    os.environ.update(ENV)
+    try:
+        common = importlib.reload(importlib.import_module("benchmarks.common"))
+        mods = {m: importlib.reload(importlib.import_module(f"benchmarks.{m}")) for m in MODULES}
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        torch.set_num_threads(threads)
+    assert common.PRESETS == ["tiny"]
+    return common, mods
+
+
+def discover(mods):
+    """(module name, class, method name) for every asv benchmark, asv's naming rules."""
+    out = []
+    for mname, mod in mods.items():
+        for cname, cls in vars(mod).items():
+            if not inspect.isclass(cls) or cls.__module__ != mod.__name__ or cname.startswith("_"):
+                continue
+            for attr in dir(cls):
+                if attr.startswith(("time_", "track_", "peakmem_", "mem_")):
+                    out.append((mname, cls, attr))
+    return out
+
+
+@pytest.fixture(scope="module")
+def ran(suite, tmp_path_factory):
+    """{(Class.method, params): value | 'skip: reason'} for the whole suite."""
+    common, mods = suite
+    cwd = os.getcwd()
+    os.chdir(tmp_path_factory.mktemp("asv-cache"))  # asv runs setup_cache in a temp dir
+    try:
+        cache = common.CheckpointSuite().setup_cache()
+        results = {}
+        for _, cls, method in discover(mods):
+            params = cls.params if isinstance(cls.params[0], list) else [cls.params]
+            for combo in itertools.product(*params):
+                bench = cls()
+                key = (f"{cls.__name__}.{method}", combo)
+                try:
+                    bench.setup(cache, *combo)
+                except NotImplementedError as e:
+                    results[key] = f"skip: {e}"
+                    continue
+                results[key] = getattr(bench, method)(cache, *combo)
+                if hasattr(bench, "teardown"):
+                    bench.teardown(cache, *combo)
+        return results
+    finally:
+        os.chdir(cwd)
+
+
+def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):
+    assert len(ran) > 50
+    ran_ok = {k for k, v in ran.items() if not isinstance(v, str)}
+    names = {k[0].split(".")[0] for k in ran_ok}
+    assert {"FilteredReload", "FullReload", "RawReadCopy", "ProcessMoELayer", "MoEForward",
+            "ForwardAccuracy"} <= names
+    for key, v in ran.items():
+        if isinstance(v, str):
+            assert torch.cuda.is_available() or any(r in v for r in CPU_SKIPS) or \
+                "block_scales" in v, (key, v)
+        elif key[0].split(".")[1].startswith("track_"):
+            assert isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, (key, v)
+        else:
+            assert v is None, (key, v)  # time_ benchmarks return nothing
+
+
+def test_torch_backend_is_never_skipped(ran):
+    torch_runs = [v for k, v in ran.items() if k[0].startswith("MoEForward") and k[1][1] == "torch"]
+    assert torch_runs and not any(isinstance(v, str) for v in torch_runs)
+
+
+def test_raw_bound_reads_exactly_the_bytes_of_the_fixed_reload(ran, suite):
+    common, _ = suite
+    for kind in common.KINDS:
+        for experts in common.FRACTIONS:
+            fixed = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "fixed"))]
+            raw = ran[("RawReadCopy.track_bytes", ("tiny", kind, experts))]
+            scan = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "scan-all"))]
+            assert fixed == raw > 0
+            assert scan == ran[("RawReadCopy.track_bytes", ("tiny", kind, "full"))] >= fixed
+        assert ran[("FullReload.track_bytes_read", ("tiny", kind))] == \
+            ran[("RawReadCopy.track_bytes", ("tiny", kind, "full"))]
+
+
+def test_one_expert_per_layer_reads_one_expert_per_layer(suite):
+    common, _ = suite
+    cfg = common.preset_config("tiny")
+    chosen = common.fraction_experts(cfg, "1/layer")
+    assert set(chosen) == set(cfg.moe_layers) and all(len(v) == 1 for v in chosen.values())
+    assert all(len(v) == cfg.num_experts for v in common.fraction_experts(cfg, "100%").values())
+
+
+def _layer_bytes(layer):
+    return {k: (id(p), p.data.clone()) for k, p in layer._parameters.items() if p is not None}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("impl", ["upstream", "fixed", "fixed-1-expert"])
+def test_each_timed_post_processing_starts_from_the_same_state(suite, tmp_path, kind, impl):
+    common, mods = suite
+    processing, scope = mods["processing"].IMPLS[impl]
+    path = str(fr.write_checkpoint(tmp_path / kind, common.preset_config("tiny"), kind=kind))
+    state = common.UnprocessedLayer(path, processing, scope)
+    before = _layer_bytes(state.layer)
+    state.process()
+    first = _layer_bytes(state.layer)
+    for _ in range(2):
+        state.restore()
+        now = _layer_bytes(state.layer)
+        assert {k: v[0] for k, v in now.items()} == {k: v[0] for k, v in before.items()}
+        assert all(torch.equal(_u8(now[k][1]), _u8(before[k][1])) for k in before)
+        state.process()
+        again = _layer_bytes(state.layer)
+        assert all(torch.equal(_u8(again[k][1]), _u8(first[k][1])) for k in first)
+    if processing == "upstream":  # upstream replaced Parameters; restore() put the originals back
+        assert {k: v[0] for k, v in first.items()} != {k: v[0] for k, v in before.items()}
+
+
+def _u8(t):
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
+def test_synchronized_wraps_setup_and_timed_methods_only(suite):
+    common, _ = suite
+    calls = []
+
+    class B:
+        def setup(self):
+            calls.append("setup")
+
+        def time_x(self):
+            calls.append("x")
+
+        def track_y(self):
+            return 1
+
+    orig_track = B.track_y
+    common.synchronized(B)
+    assert B.track_y is orig_track and B.time_x.__wrapped__ and B.setup.__wrapped__
+    B().setup()
+    B().time_x()
+    assert calls == ["setup", "x"]
+
+
+# --------------------------------------------------------------------------
+# End to end through asv
+# --------------------------------------------------------------------------
+
+def _git_head():
+    try:
+        return subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], check=True,
+                              capture_output=True, text=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def test_asv_quick_run_of_the_whole_suite(tmp_path):
+    pytest.importorskip("asv")
+    sha = _git_head()
+    if sha is None:
+        pytest.skip("not a git checkout: asv needs a commit hash")
+    from fp8_reload.regress import asv_run, ensure_machine
+
+    env = dict(os.environ, HOME=str(tmp_path), **ENV)
+    ensure_machine("ci", env=env)
+    # forkserver: one import of torch for the whole run (CPU only; CUDA needs spawn)
+    method = "spawn" if torch.cuda.is_available() else "forkserver"
+    result = asv_run(REPO, sha, REPO, tmp_path, [], True, method, "ci", ["--show-stderr"], env=env,
+                     log=lambda s: None)
+    data = json.loads(result.read_text())
+    meta = json.loads((tmp_path / "results" / "benchmarks.json").read_text())
+    names = {k for k, v in meta.items() if isinstance(v, dict)}
+    assert names == set(data["results"]) and len(names) >= 10
+    cols = data["result_columns"]
+    for bench, entry in data["results"].items():
+        values = dict(zip(cols, entry))["result"]
+        assert None not in values, f"{bench} failed in asv: {values}"
+        assert any(not math.isnan(v) for v in values) or bench.split(".")[1] in (
+            "ReloadDeviceMemory", "BlockScaleExpansion"), f"{bench}: everything skipped"
+    shutil.rmtree(tmp_path / "env", ignore_errors=True)

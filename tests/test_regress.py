@@ -1,0 +1,100 @@
+"""The regression comparison on synthetic asv result files (`fp8-reload regress --files`)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fp8_reload.cli import main
+from fp8_reload.regress import compare
+
+from .asv_files import write_benchmarks_json, write_result
+
+NAN = float("nan")
+T = "reload.FilteredReload.time_reload"
+B = "reload.FilteredReload.track_bytes_read"
+PARAMS = [["small"], ["fixed", "scan-all"]]
+
+
+@pytest.fixture
+def root(tmp_path):
+    write_benchmarks_json(tmp_path, {T: (["preset", "strategy"], PARAMS, "seconds"),
+                                     B: (["preset", "strategy"], PARAMS, "bytes")})
+    return tmp_path
+
+
+def pair(root, base_values, head_values, bench=T, ci=None):
+    b = {bench: (PARAMS, base_values) + (ci[0] if ci else ())}
+    h = {bench: (PARAMS, head_values) + (ci[1] if ci else ())}
+    return (write_result(root, "m", "a" * 40, b), write_result(root, "m", "b" * 40, h))
+
+
+def by_strategy(changes):
+    return {c.params[1]: c for c in changes}
+
+
+def test_ten_percent_slowdown_is_a_regression_and_five_is_not(root):
+    base, head = pair(root, [1.0, 2.0], [1.10, 2.10])
+    c = by_strategy(compare(base, head, 0.10))
+    assert c["fixed"].status == "slower" and c["fixed"].regression
+    assert math.isclose(c["fixed"].ratio, 1.10)
+    assert c["scan-all"].status == "same" and not c["scan-all"].regression
+
+
+def test_speedup_is_reported_not_failed(root):
+    base, head = pair(root, [1.0, 2.0], [0.5, 2.0])
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].status == "faster" and not c["fixed"].regression
+
+
+def test_overlapping_confidence_intervals_are_noise(root):
+    # 20% slower median, but the 99% intervals overlap: not significant
+    ci = (([0.8, 1.9], [1.3, 2.1]), ([1.0, 1.95], [1.5, 2.05]))
+    base, head = pair(root, [1.0, 2.0], [1.2, 2.0], ci=ci)
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].significant is False and c["fixed"].status == "same"
+
+
+def test_separated_confidence_intervals_are_significant(root):
+    ci = (([0.95, 1.9], [1.05, 2.1]), ([1.15, 1.9], [1.25, 2.1]))
+    base, head = pair(root, [1.0, 2.0], [1.2, 2.0], ci=ci)
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].significant is True and c["fixed"].regression
+
+
+def test_quick_runs_without_intervals_compare_by_ratio(root):
+    inf = math.inf
+    ci = (([-inf, -inf], [inf, inf]), ([-inf, -inf], [inf, inf]))
+    base, head = pair(root, [1.0, 2.0], [1.5, 2.0], ci=ci)
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].significant is None and c["fixed"].regression
+
+
+def test_failure_in_head_is_a_regression_skips_are_ignored(root):
+    base, head = pair(root, [1.0, NAN], [None, 5.0])
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].status == "failed" and c["fixed"].regression
+    assert c["scan-all"].status == "n/a" and not c["scan-all"].regression
+
+
+def test_track_values_and_zero_base(root):
+    base, head = pair(root, [0, 100], [10, 100], bench=B)
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].ratio == math.inf and c["fixed"].regression
+    assert c["scan-all"].status == "same"
+    assert c["fixed"].unit == "bytes"
+
+
+def test_only_common_benchmarks_are_compared(root):
+    b = write_result(root, "m", "a" * 40, {T: (PARAMS, [1.0, 2.0])})
+    h = write_result(root, "m", "b" * 40, {B: (PARAMS, [1.0, 2.0])})
+    assert compare(b, h) == []
+
+
+def test_cli_exit_status(root, capsys):
+    base, head = pair(root, [1.0, 2.0], [1.25, 2.0])
+    assert main(["regress", "--files", str(base), str(head)]) == 1
+    out = capsys.readouterr().out
+    assert "slower" in out and "FilteredReload.time_reload(small, fixed)" in out
+    assert main(["regress", "--files", "--threshold", "0.3", str(base), str(head)]) == 0

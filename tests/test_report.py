@@ -1,0 +1,136 @@
+"""`fp8-reload report` on a synthetic asv results directory: numbers, targets, files."""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import pytest
+
+import fp8_reload as fr
+from fp8_reload.cli import main
+from fp8_reload.report import fraction_value, headline, load_results, write_report
+
+from .asv_files import write_benchmarks_json, write_machine, write_result
+
+FR = ["1/layer", "10%", "50%", "100%"]
+ST = ["fixed", "scan-all", "upstream-style"]
+KINDS = ["fp8", "bf16"]
+FILTERED = "reload.FilteredReload.time_reload"
+FULL = "reload.FullReload.time_reload"
+RAW = "reload.RawReadCopy.time_read_copy"
+PROC = "processing.ProcessMoELayer.time_process"
+MEM = "reload.ReloadDeviceMemory.track_peak_bytes"
+FWD = "forward.MoEForward.time_forward"
+ACC = "accuracy.ForwardAccuracy.track_calc_diff"
+NAN = float("nan")
+
+
+def filtered_times(kind):
+    base = 0.010 if kind == "fp8" else 0.020
+    # fixed grows with the share; scan-all / upstream-style stay near a full read
+    out = []
+    for i, _ in enumerate(FR):
+        out += [base * (1 + 3 * i), 0.200, 0.250]
+    return out
+
+
+@pytest.fixture
+def results(tmp_path):
+    root = tmp_path / "asv"
+    write_benchmarks_json(root, {
+        FILTERED: (["preset", "kind", "experts", "strategy"], [["small"], KINDS, FR, ST], "seconds"),
+        FULL: (["preset", "kind"], [["small"], KINDS], "seconds"),
+        RAW: (["preset", "kind", "experts"], [["small"], KINDS, FR + ["full"]], "seconds"),
+        PROC: (["preset", "kind", "impl"], [["small"], KINDS, ["upstream", "fixed", "fixed-1-expert"]],
+               "seconds"),
+        MEM: (["preset", "kind", "experts"], [["small"], KINDS, FR + ["full"]], "bytes"),
+        FWD: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [16, 128]], "seconds"),
+        ACC: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [64]], "calc_diff"),
+    })
+    write_machine(root, "box", gpu="Test GPU")
+    res = {
+        FILTERED: ([["small"], KINDS, FR, ST], filtered_times("fp8") + filtered_times("bf16")),
+        FULL: ([["small"], KINDS], [0.100, 0.400]),
+        RAW: ([["small"], KINDS, FR + ["full"]], [0.001, 0.002, 0.005, 0.01, 0.080] * 2),
+        PROC: ([["small"], KINDS, ["upstream", "fixed", "fixed-1-expert"]],
+               [0.050, 0.004, 0.001, 0.050, 0.100, 0.002]),
+        MEM: ([["small"], KINDS, FR + ["full"]], [NAN] * 10),
+        FWD: ([["small"], ["torch", "triton"], [16, 128]], [0.002, 0.004, NAN, None]),
+        ACC: ([["small"], ["torch", "triton"], [64]], [1.5e-3, NAN]),
+    }
+    write_result(root, "box", "c" * 40, res, started_at=2000)
+    # an older run of another commit on the same machine: must not leak into the report
+    write_result(root, "box", "d" * 40, {FULL: ([["small"], KINDS], [9.0, 9.0])}, started_at=1000)
+    return root
+
+
+def test_load_results_is_tidy_and_keeps_the_newest_run(results):
+    df = load_results(results)
+    assert set(df["commit"]) == {"c" * 40}
+    full = df[df.benchmark == FULL].set_index("kind")["value"]
+    assert full["fp8"] == 0.100 and full["bf16"] == 0.400
+    f = df[(df.benchmark == FILTERED) & (df.kind == "bf16") & (df.experts == "50%")
+           & (df.strategy == "fixed")]
+    assert len(f) == 1 and math.isclose(f["value"].iloc[0], 0.020 * 7)
+    fw = df[df.benchmark == FWD]
+    assert fw["failed"].tolist() == [False, False, False, True]
+    assert load_results(results, commit="dddd")["value"].tolist() == [9.0, 9.0]
+
+
+def test_headline_ratios_and_targets(results):
+    hl = headline(load_results(results)).set_index(["kind", "figure"])
+    fp8 = hl.loc["fp8"]
+    filt = fp8.loc["filtered reload, 1 expert/layer: upstream-style / fixed"]
+    assert filt["value"] == 25.0 and bool(filt["met"])
+    raw = fp8.loc["full reload vs raw read+copy bound"]
+    assert raw["value"] == 80.0 and bool(raw["met"])
+    proc = fp8.loc["post-processing, one MoE layer: upstream loop / fixed"]
+    assert proc["value"] == 12.5 and bool(proc["met"])
+    bf16 = hl.loc["bf16"]
+    assert bf16.loc["filtered reload, 1 expert/layer: upstream-style / fixed"]["value"] == 12.5
+    assert not bool(bf16.loc["filtered reload, 1 expert/layer: upstream-style / fixed"]["met"])
+    assert bf16.loc["full reload vs raw read+copy bound"]["value"] == 20.0
+    assert bf16.loc["post-processing, one MoE layer: upstream loop / fixed"]["value"] == 0.5
+    mem = fp8.loc["reload device-memory peak above the model"]
+    assert mem["met"] is None and "needs CUDA" in mem["detail"]
+
+
+def test_write_report_files(results, tmp_path):
+    out = tmp_path / "report"
+    written = write_report(results, out)
+    assert set(written) == {"results.csv", "headline.csv", "headline.md", "forward.csv",
+                            "reload_vs_fraction.png", "forward_tflops.png"}
+    for png in ("reload_vs_fraction.png", "forward_tflops.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    md = (out / "headline.md").read_text()
+    assert "## box (commit cccccccc)" in md and "gpu: Test GPU" in md and "cpu: Test CPU" in md
+    assert "| small | fp8 | filtered reload, 1 expert/layer: upstream-style / fixed | 25 |" in md
+    assert "1 benchmark runs failed" in md
+    csv = pd.read_csv(out / "headline.csv")
+    assert {"machine", "commit", "preset", "kind", "figure", "value", "target", "met"} <= set(csv.columns)
+    fw = pd.read_csv(out / "forward.csv").set_index(["backend", "tokens"])
+    cfg = fr.MoEConfig.preset("small")
+    flops = 2 * 128 * cfg.top_k * 3 * cfg.hidden_size * cfg.moe_intermediate_size
+    assert math.isclose(fw.loc[("torch", 128), "tflops"], flops / 0.004 / 1e12)
+    assert fw.loc[("torch", 16), "calc_diff"] == 1.5e-3
+    assert ("triton", 128) not in fw.index  # failed run: no throughput
+
+
+def test_fraction_values_match_the_benchmarks():
+    from benchmarks.common import fraction_experts, preset_config
+
+    for preset in ("tiny", "small", "v2-lite:2"):
+        cfg = preset_config(preset)
+        for label in FR:
+            chosen = fraction_experts(cfg, label)
+            assert set(chosen) == set(cfg.moe_layers)
+            assert all(len(v) == len(set(v)) for v in chosen.values())
+            n = len(next(iter(chosen.values())))
+            assert math.isclose(fraction_value(label, cfg.num_experts), n / cfg.num_experts)
+
+
+def test_cli_report(results, tmp_path, capsys):
+    assert main(["report", "--results", str(results), "--out", str(tmp_path / "r")]) == 0
+    assert "full reload vs raw read+copy bound" in capsys.readouterr().out
+    assert main(["report", "--results", str(tmp_path / "none"), "--out", str(tmp_path / "r")]) == 2
