@@ -8,11 +8,14 @@ works offline and on GPU hosts where building environments is not possible.
 
 The comparison (`compare`) reads two asv result files and flags every
 benchmark x parameter set whose value grew by at least `threshold` (asv
-values are "lower is better": times, bytes, calc_diff). When both sides carry
-asv's 99% confidence interval of the median, a change also has to be
-significant (the intervals do not overlap), so noise on a shared machine does
-not fail the build. A benchmark that ran in BASE and fails in HEAD is a
-regression too; skipped ones (NaN) are ignored.
+values are "lower is better": times, bytes, calc_diff). The statistic is the
+best (minimum) sample when both files carry samples (`regress` runs asv with
+``--record-samples``): noise on a shared machine only ever adds time, so the
+minimum is the most stable estimate of what the code costs. Without samples
+it is asv's median, and when both sides carry asv's 99% confidence interval
+of the median a change must also be significant (the intervals do not
+overlap). A benchmark that ran in BASE and fails in HEAD is a regression too;
+skipped or unselected ones (NaN) are ignored.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ class Change:
     unit: str
     significant: Optional[bool]  # None: no confidence intervals to judge by
     status: str  # "slower" | "faster" | "same" | "failed" | "fixed" | "n/a"
+    statistic: str = "median"  # or "min" (best sample)
 
     @property
     def ratio(self) -> Optional[float]:
@@ -58,8 +62,16 @@ class Change:
         return f"{self.benchmark}({', '.join(map(str, self.params))})" if self.params else self.benchmark
 
 
-def _entries(path) -> dict[tuple[str, tuple], tuple]:
-    """(benchmark, params) -> (value | None for failed | nan for skipped, ci_low, ci_high)."""
+@dataclass
+class _Entry:
+    value: Optional[float]  # None: failed; NaN: skipped or not selected
+    ci_low: Optional[float] = None
+    ci_high: Optional[float] = None
+    samples: Optional[list] = None
+
+
+def _entries(path) -> dict[tuple[str, tuple], _Entry]:
+    """(benchmark, params) -> _Entry, one per parameter combination of each benchmark."""
     import itertools
 
     with open(path) as f:
@@ -73,10 +85,12 @@ def _entries(path) -> dict[tuple[str, tuple], tuple]:
             values = [values]
         params = rec.get("params") or []
         combos = list(itertools.product(*params)) if params else [()]
-        lo = rec.get("stats_ci_99_a") or [None] * len(combos)
-        hi = rec.get("stats_ci_99_b") or [None] * len(combos)
-        for combo, v, a, b in zip(combos, values, lo, hi):
-            out[(bench, tuple(combo))] = (v, a, b)
+        n = len(combos)
+        lo = rec.get("stats_ci_99_a") or [None] * n
+        hi = rec.get("stats_ci_99_b") or [None] * n
+        samples = rec.get("samples") or [None] * n
+        for combo, v, a, b, smp in zip(combos, values, lo, hi, samples):
+            out[(bench, tuple(combo))] = _Entry(v, a, b, smp)
     return out
 
 
@@ -98,25 +112,34 @@ def _ci_known(a, b) -> bool:
     return _finite(a) and _finite(b) and not math.isinf(a) and not math.isinf(b)
 
 
+def _best(samples) -> Optional[float]:
+    vals = [x for x in samples or [] if _finite(x)]
+    return min(vals) if vals else None
+
+
 def compare(base_file, head_file, threshold: float = DEFAULT_THRESHOLD) -> list[Change]:
-    """Every benchmark x parameter set present in both files, classified."""
+    """Every benchmark x parameter set that ran in at least one of the two files, classified."""
     base, head = _entries(base_file), _entries(head_file)
     units = {**_units(base_file), **_units(head_file)}
     changes = []
     for key in sorted(set(base) & set(head)):
-        (bv, blo, bhi), (hv, hlo, hhi) = base[key], head[key]
+        b, h = base[key], head[key]
+        if not (_finite(b.value) or _finite(h.value)):
+            continue  # skipped, failed or not selected on both sides
         unit = units.get(key[0], "seconds" if ".time_" in key[0] else "")
         params = tuple(str(p).strip("'") for p in key[1])
-        if bv is None and hv is None:
-            status, sig = "n/a", None
-        elif hv is None:
-            status, sig = ("failed" if _finite(bv) else "n/a"), None
-        elif bv is None:
-            status, sig = ("fixed" if _finite(hv) else "n/a"), None
-        elif not (_finite(bv) and _finite(hv)):
-            status, sig = "n/a", None  # skipped on one side
+        bv, hv, sig, stat = b.value, h.value, None, "median"
+        if h.value is None:
+            status = "failed"
+        elif b.value is None:
+            status = "fixed"
+        elif not (_finite(b.value) and _finite(h.value)):
+            status = "n/a"  # skipped on one side
         else:
-            sig = (hlo > bhi or hhi < blo) if (_ci_known(blo, bhi) and _ci_known(hlo, hhi)) else None
+            if _best(b.samples) is not None and _best(h.samples) is not None:
+                bv, hv, stat = _best(b.samples), _best(h.samples), "min"
+            elif _ci_known(b.ci_low, b.ci_high) and _ci_known(h.ci_low, h.ci_high):
+                sig = h.ci_low > b.ci_high or h.ci_high < b.ci_low
             ratio = (1.0 if hv == 0 else math.inf) if bv == 0 else hv / bv
             if ratio >= 1 + threshold - 1e-12 and sig is not False:
                 status = "slower"
@@ -125,7 +148,7 @@ def compare(base_file, head_file, threshold: float = DEFAULT_THRESHOLD) -> list[
             else:
                 status = "same"
         changes.append(Change(key[0], params, bv if _finite(bv) else None,
-                              hv if _finite(hv) else None, unit, sig, status))
+                              hv if _finite(hv) else None, unit, sig, status, stat))
     return changes
 
 
@@ -141,12 +164,12 @@ def _fmt(v: Optional[float], unit: str) -> str:
 
 def format_changes(changes: list[Change], threshold: float, show_all: bool = False) -> str:
     rows = [c for c in changes if show_all or c.status != "same"]
-    lines = [f"{'status':8s} {'ratio':>8s} {'base':>14s} {'head':>14s}  benchmark"]
+    lines = [f"{'status':8s} {'ratio':>8s} {'base':>14s} {'head':>14s} {'stat':6s}  benchmark"]
     for c in sorted(rows, key=lambda c: (not c.regression, c.status, c.name)):
         ratio = "-" if c.ratio is None else f"{c.ratio:.3f}"
         sig = "" if c.significant is None else ("" if c.significant else " (not significant)")
         lines.append(f"{c.status:8s} {ratio:>8s} {_fmt(c.base, c.unit):>14s} "
-                     f"{_fmt(c.head, c.unit):>14s}  {c.name}{sig}")
+                     f"{_fmt(c.head, c.unit):>14s} {c.statistic:6s}  {c.name}{sig}")
     n_reg = sum(c.regression for c in changes)
     lines.append(f"{len(changes)} compared, {n_reg} regression(s) at a {threshold:.0%} threshold, "
                  f"{sum(c.status == 'faster' for c in changes)} faster")
@@ -218,8 +241,7 @@ def asv_run(repo: Path, sha: str, src: Path, work: Path, bench: list[str], quick
            "--set-commit-hash", sha, "--machine", machine, "--launch-method", launch_method]
     for b in bench:
         cmd += ["--bench", b]
-    if quick:
-        cmd.append("--quick")
+    cmd.append("--quick" if quick else "--record-samples")
     cmd += extra
     run_env = dict(env or os.environ, FP8_RELOAD_SRC=str(src))
     log(f"[regress] {sha[:12]} from {src}: asv {' '.join(cmd[3:])}")

@@ -13,7 +13,7 @@ import json
 from pathlib import Path
 
 COLUMNS = ["result", "params", "version", "started_at", "duration", "stats_ci_99_a",
-           "stats_ci_99_b", "stats_q_25", "stats_q_75", "stats_number", "stats_repeat"]
+           "stats_ci_99_b", "stats_q_25", "stats_q_75", "stats_number", "stats_repeat", "samples"]
 
 
 def _q(v) -> str:
@@ -40,13 +40,15 @@ def write_machine(root: Path, machine: str, **extra) -> None:
 
 def write_result(root: Path, machine: str, commit: str, results: dict, started_at: int = 1000,
                  env: str = "existing-py_python") -> Path:
-    """results: {name: (params, values[, ci_low, ci_high])} with values in product order."""
+    """results: {name: (params, values[, ci_low, ci_high[, samples]])}, values in product order."""
     out = {}
     for name, spec in results.items():
         params, values = spec[0], spec[1]
         entry = [values, [[_q(v) for v in ps] for ps in params], "x", started_at, 1.0]
         if len(spec) > 2:
             entry += [spec[2], spec[3], values, values, [1] * len(values), [1] * len(values)]
+        if len(spec) > 4:
+            entry.append(spec[4])
         out[name] = entry
     data = {"commit_hash": commit, "env_name": env, "date": 1, "params": {"machine": machine},
             "python": "3.11", "requirements": {}, "env_vars": {}, "result_columns": COLUMNS,

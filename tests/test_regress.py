@@ -78,6 +78,22 @@ def test_failure_in_head_is_a_regression_skips_are_ignored(root):
     assert c["scan-all"].status == "n/a" and not c["scan-all"].regression
 
 
+def test_best_sample_decides_when_samples_were_recorded(root):
+    # medians 20% apart from noise, best samples equal: not a regression (and vice versa)
+    inf = math.inf
+    ci = (([-inf, -inf], [inf, inf], [[1.0, 1.0, 1.1], [2.0, 2.1, 2.2]]),
+          ([-inf, -inf], [inf, inf], [[1.0, 1.2, 1.3], [2.3, 2.4, 2.5]]))
+    base, head = pair(root, [1.0, 2.1], [1.2, 2.4], ci=ci)
+    c = by_strategy(compare(base, head))
+    assert c["fixed"].statistic == "min" and c["fixed"].status == "same"
+    assert c["scan-all"].status == "slower" and math.isclose(c["scan-all"].ratio, 1.15)
+
+
+def test_benchmarks_run_on_neither_side_are_left_out(root):
+    base, head = pair(root, [1.0, NAN], [1.0, NAN])
+    assert [c.params[1] for c in compare(base, head)] == ["fixed"]
+
+
 def test_track_values_and_zero_base(root):
     base, head = pair(root, [0, 100], [10, 100], bench=B)
     c = by_strategy(compare(base, head))
