@@ -268,14 +268,35 @@ def layer_tensor_names(ckpt: Checkpoint, layer: int, experts=None) -> list[str]:
     return names
 
 
+_LAYERS: dict = {}
+
+
+def processed_moe_block(path: str):
+    """(model, MoE block) with only the first MoE layer's router and experts loaded and
+    post-processed (fixed mode), built once per process: forward benchmarks need one
+    layer, not the whole model read from disk."""
+    if path not in _LAYERS:
+        _LAYERS.clear()
+        ckpt = Checkpoint(path)
+        model = fr.FP8MoEModel(ckpt.config, get_mode("fixed"), ckpt.kind, device=DEVICE)
+        model.eval()
+        layer_id = first_moe_layer(model)
+        block = model.model.layers[layer_id].mlp
+        names = layer_tensor_names(ckpt, layer_id) + [f"model.layers.{layer_id}.mlp.gate.weight"]
+        with torch.no_grad():
+            model.load_weights(ckpt.read(names))
+            block.experts.quant_method.process_weights_after_loading(block.experts)
+        sync()
+        _LAYERS[path] = (model, block)
+    return _LAYERS[path]
+
+
 class RoutedBatch:
-    """One MoE layer of a loaded model plus `tokens` routed tokens for it."""
+    """The first MoE layer of a checkpoint plus `tokens` routed tokens for it."""
 
     def __init__(self, path: str, tokens: int, seed: int = 0):
-        model = loaded_model(path)
+        model, block = processed_moe_block(path)
         self.model = model
-        self.layer_id = first_moe_layer(model)
-        block = model.model.layers[self.layer_id].mlp
         self.layer = block.experts
         g = torch.Generator().manual_seed(seed)
         x = torch.randn(tokens, model.config.hidden_size, generator=g).to(torch.bfloat16)

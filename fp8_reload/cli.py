@@ -99,7 +99,7 @@ def _cmd_regress(args) -> int:
         return regress_files(args.base, args.head, args.threshold, show_all=args.all)
     return regress(args.base, args.head, bench=args.bench, threshold=args.threshold,
                    quick=args.quick, launch_method=args.launch_method, machine=args.machine,
-                   extra=args.asv_args, keep=args.keep)
+                   extra=args.asv_args, keep=args.keep, rounds=args.rounds)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -208,6 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="one sample per benchmark (asv --quick)")
     g.add_argument("--launch-method", default="spawn", choices=("spawn", "forkserver"),
                    help="spawn (CUDA-safe, default) or forkserver (much faster on CPU)")
+    g.add_argument("--rounds", type=int, default=2,
+                   help="alternate BASE/HEAD runs this many times, samples appended (2)")
     g.add_argument("--machine", default=None, help="asv machine name")
     g.add_argument("--keep", default=None, help="keep worktrees/results in this directory")
     g.add_argument("--files", action="store_true", help="compare two existing asv result files")

@@ -256,30 +256,44 @@ def asv_run(repo: Path, sha: str, src: Path, work: Path, bench: list[str], quick
     return found[-1]
 
 
-def run_suite(repo: Path, commit: str, work: Path, bench: list[str], quick: bool,
-              launch_method: str, machine: str, extra: list[str], log=print) -> Path:
-    """Check `commit` out into a worktree under `work` and run the suite against it."""
+def checkout(repo: Path, commit: str, work: Path) -> tuple[str, Path]:
+    """(full sha, a detached worktree of it under `work`)."""
     sha = _git(repo, "rev-parse", f"{commit}^{{commit}}")
     src = work / f"src-{sha[:12]}"
     if not src.exists():
         _git(repo, "worktree", "add", "--detach", str(src), sha)
-    log(f"[regress] {commit} = {sha[:12]}")
-    return asv_run(repo, sha, src, work, bench, quick, launch_method, machine, extra, log=log)
+    return sha, src
 
 
 def regress(base: str, head: str, repo=".", bench: Optional[list[str]] = None,
             threshold: float = DEFAULT_THRESHOLD, quick: bool = False,
             launch_method: str = "spawn", machine: Optional[str] = None,
-            extra: Optional[list[str]] = None, keep: Optional[Path] = None, log=print) -> int:
-    """Run the suite against BASE and HEAD, print the comparison; 1 on a regression."""
+            extra: Optional[list[str]] = None, keep: Optional[Path] = None, rounds: int = 2,
+            log=print) -> int:
+    """Run the suite against BASE and HEAD, print the comparison; 1 on a regression.
+
+    The runs alternate BASE, HEAD, BASE, HEAD, ... (`rounds` each, samples
+    appended), so a load that comes and goes on the machine hits both sides.
+    """
     repo = Path(_git(Path(repo), "rev-parse", "--show-toplevel"))
     machine = _machine_name(machine)
     ensure_machine(machine)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="fp8-reload-regress-"))
     work.mkdir(parents=True, exist_ok=True)
+    rounds = 1 if quick else max(1, rounds)
     try:
-        files = [run_suite(repo, c, work, bench or [], quick, launch_method, machine, extra or [], log)
-                 for c in (base, head)]
+        sides = []
+        for label, commit in (("base", base), ("head", head)):
+            sha, src = checkout(repo, commit, work)
+            log(f"[regress] {label} {commit} = {sha[:12]}")
+            sides.append((sha, src, work / label))
+        files = [None, None]
+        for r in range(rounds):
+            more = ["-a", "rounds=1"] + (["--append-samples"] if r else []) if rounds > 1 else []
+            for i, (sha, src, side_dir) in enumerate(sides):
+                side_dir.mkdir(exist_ok=True)
+                files[i] = asv_run(repo, sha, src, side_dir, bench or [], quick, launch_method,
+                                   machine, (extra or []) + more, log=log)
         changes = compare(files[0], files[1], threshold)
         log(format_changes(changes, threshold))
         return 1 if any(c.regression for c in changes) else 0
@@ -298,4 +312,5 @@ def regress_files(base_file, head_file, threshold: float = DEFAULT_THRESHOLD, sh
     return 1 if any(c.regression for c in changes) else 0
 
 
-__all__ = ["Change", "compare", "format_changes", "regress", "regress_files", "run_suite"]
+__all__ = ["Change", "asv_run", "compare", "ensure_machine", "format_changes", "regress",
+           "regress_files"]

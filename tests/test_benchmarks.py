@@ -224,3 +224,16 @@ def test_asv_quick_run_of_the_whole_suite(tmp_path):
         assert any(not math.isnan(v) for v in values) or bench.split(".")[1] in (
             "ReloadDeviceMemory", "BlockScaleExpansion"), f"{bench}: everything skipped"
     shutil.rmtree(tmp_path / "env", ignore_errors=True)
+
+
+def test_forward_fixture_layer_equals_the_fully_loaded_models_layer(suite, tmp_path):
+    common, _ = suite
+    cfg = common.preset_config("tiny")
+    path = str(fr.write_checkpoint(tmp_path / "fp8", cfg, kind="fp8"))
+    batch = common.RoutedBatch(path, 16)
+    full = fr.load_model(path, device=common.DEVICE)
+    layer = full.model.layers[cfg.moe_layers[0]].mlp.experts
+    for name, p in layer.named_parameters():
+        assert torch.equal(_u8(p.data), _u8(getattr(batch.layer, name).data)), name
+    ref = fr.kernels.run_moe(layer, batch.x, batch.topk_weights, batch.topk_ids, backend="torch")
+    assert torch.equal(batch.forward("torch"), ref)
