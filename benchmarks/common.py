@@ -29,6 +29,8 @@ Environment knobs (all optional):
                               temporary directory, rewritten every run)
 ``FP8_RELOAD_BENCH_THREADS``  torch CPU threads (default under asv: 1 on CPU, so numbers
                               from a shared CI box are comparable; torch's default on CUDA)
+``FP8_RELOAD_BENCH_TIMER``    cpu | wall: what time_ benchmarks measure (default: process
+                              CPU time on CPU with one thread, wall time otherwise)
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import time
 from pathlib import Path
 
 import torch
@@ -64,6 +67,16 @@ BACKENDS = ["torch", "triton", "deep_gemm"]
 _threads = os.environ.get("FP8_RELOAD_BENCH_THREADS")
 if _threads or (os.environ.get("ASV") and not ON_CUDA):  # only inside asv's processes
     torch.set_num_threads(int(_threads or 1))
+
+# What time_ benchmarks measure. On CPU with one thread: the process's CPU time
+# (user + sys, page-cache reads included), which a shared, oversubscribed CI box
+# disturbs far less than wall time. On CUDA, or with FP8_RELOAD_BENCH_TIMER=wall,
+# or with more threads (CPU time would sum them): wall time.
+TIMER_KIND = os.environ.get("FP8_RELOAD_BENCH_TIMER") or (
+    "wall" if ON_CUDA or torch.get_num_threads() != 1 else "cpu")
+if TIMER_KIND not in ("cpu", "wall"):
+    raise ValueError(f"FP8_RELOAD_BENCH_TIMER must be cpu or wall, not {TIMER_KIND!r}")
+TIMER = time.process_time if TIMER_KIND == "cpu" else time.perf_counter
 
 
 def preset_config(spec: str) -> fr.MoEConfig:
@@ -229,6 +242,7 @@ class CheckpointSuite:
     """Base class of every benchmark that needs checkpoints on disk."""
 
     timeout = 600.0
+    timer = TIMER
 
     def setup_cache(self):
         root = os.environ.get("FP8_RELOAD_BENCH_DIR") or os.getcwd()

@@ -55,7 +55,7 @@ def results(tmp_path):
         RAW: ([["small"], KINDS, FR + ["full"]], [0.001, 0.002, 0.005, 0.01, 0.080] * 2),
         PROC: ([["small"], KINDS, ["upstream", "fixed", "fixed-1-expert"]],
                [0.050, 0.004, 0.001, 0.050, 0.100, 0.002]),
-        MEM: ([["small"], KINDS, FR + ["full"]], [NAN] * 10),
+        MEM: ([["small"], KINDS, FR + ["full"]], [NAN] * 5 + [50 * 2**20, NAN, NAN, NAN, 3 * 2**30]),
         FWD: ([["small"], ["torch", "triton"], [16, 128]], [0.002, 0.004, NAN, None]),
         ACC: ([["small"], ["torch", "triton"], [64]], [1.5e-3, NAN]),
     }
@@ -94,6 +94,9 @@ def test_headline_ratios_and_targets(results):
     assert bf16.loc["post-processing, one MoE layer: upstream loop / fixed"]["value"] == 0.5
     mem = fp8.loc["reload device-memory peak above the model"]
     assert mem["met"] is None and "needs CUDA" in mem["detail"]
+    mem = bf16.loc["reload device-memory peak above the model"]
+    assert mem["value"] == 3072.0 and not bool(mem["met"])
+    assert "1 expert/layer 50.0 MiB, full 3072.0 MiB" in mem["detail"]
 
 
 def test_write_report_files(results, tmp_path):
