@@ -208,8 +208,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--quick", action="store_true", help="one sample per benchmark (asv --quick)")
     g.add_argument("--launch-method", default="spawn", choices=("spawn", "forkserver"),
                    help="spawn (CUDA-safe, default) or forkserver (much faster on CPU)")
-    g.add_argument("--rounds", type=int, default=2,
-                   help="alternate BASE/HEAD runs this many times, samples appended (2)")
+    g.add_argument("--rounds", type=int, default=3,
+                   help="interleaved BASE/HEAD run pairs; a slowdown must show in every one (3)")
     g.add_argument("--machine", default=None, help="asv machine name")
     g.add_argument("--keep", default=None, help="keep worktrees/results in this directory")
     g.add_argument("--files", action="store_true", help="compare two existing asv result files")

@@ -11,7 +11,9 @@ benchmark x parameter set whose value grew by at least `threshold` (asv
 values are "lower is better": times, bytes, calc_diff). The statistic is the
 best (minimum) sample when both files carry samples (`regress` runs asv with
 ``--record-samples``): noise on a shared machine only ever adds time, so the
-minimum is the most stable estimate of what the code costs. Without samples
+minimum is the most stable estimate of what the code costs. `regress` runs
+BASE and HEAD alternately in several rounds and fails only on a slowdown that
+every round shows (`combine_rounds`). Without samples
 it is asv's median, and when both sides carry asv's 99% confidence interval
 of the median a change must also be significant (the intervals do not
 overlap). A benchmark that ran in BASE and fails in HEAD is a regression too;
@@ -44,6 +46,7 @@ class Change:
     significant: Optional[bool]  # None: no confidence intervals to judge by
     status: str  # "slower" | "faster" | "same" | "failed" | "fixed" | "n/a"
     statistic: str = "median"  # or "min" (best sample)
+    round_ratios: tuple = ()  # one HEAD/BASE ratio per interleaved round (`combine_rounds`)
 
     @property
     def ratio(self) -> Optional[float]:
@@ -152,6 +155,35 @@ def compare(base_file, head_file, threshold: float = DEFAULT_THRESHOLD) -> list[
     return changes
 
 
+def combine_rounds(rounds: list[list[Change]]) -> list[Change]:
+    """One verdict from several interleaved BASE/HEAD rounds: "slower" (or "faster")
+    only if every round says so, "failed" if any round failed. Machine load that
+    comes and goes hits a single round; a real slowdown shows in all of them.
+    Values reported: the best (lowest) of the rounds on each side."""
+    by_key: dict[tuple, list[Change]] = {}
+    for changes in rounds:
+        for c in changes:
+            by_key.setdefault((c.benchmark, c.params), []).append(c)
+    out = []
+    for (bench, params), cs in sorted(by_key.items()):
+        statuses = {c.status for c in cs}
+        if "failed" in statuses:
+            status = "failed"
+        elif len(cs) == len(rounds) and len(statuses) == 1:
+            status = cs[0].status
+        elif statuses <= {"slower", "faster", "same"}:
+            status = "same"
+        else:
+            status = "n/a"
+        bases = [c.base for c in cs if c.base is not None]
+        heads = [c.head for c in cs if c.head is not None]
+        sig = {c.significant for c in cs}
+        out.append(Change(bench, params, min(bases) if bases else None, min(heads) if heads else None,
+                          cs[0].unit, sig.pop() if len(sig) == 1 else None, status, cs[0].statistic,
+                          tuple(c.ratio for c in cs)))
+    return out
+
+
 def _fmt(v: Optional[float], unit: str) -> str:
     if v is None:
         return "-"
@@ -168,6 +200,8 @@ def format_changes(changes: list[Change], threshold: float, show_all: bool = Fal
     for c in sorted(rows, key=lambda c: (not c.regression, c.status, c.name)):
         ratio = "-" if c.ratio is None else f"{c.ratio:.3f}"
         sig = "" if c.significant is None else ("" if c.significant else " (not significant)")
+        if len(c.round_ratios) > 1:
+            sig += "  rounds: " + " ".join("-" if r is None else f"{r:.2f}" for r in c.round_ratios)
         lines.append(f"{c.status:8s} {ratio:>8s} {_fmt(c.base, c.unit):>14s} "
                      f"{_fmt(c.head, c.unit):>14s} {c.statistic:6s}  {c.name}{sig}")
     n_reg = sum(c.regression for c in changes)
@@ -268,12 +302,13 @@ def checkout(repo: Path, commit: str, work: Path) -> tuple[str, Path]:
 def regress(base: str, head: str, repo=".", bench: Optional[list[str]] = None,
             threshold: float = DEFAULT_THRESHOLD, quick: bool = False,
             launch_method: str = "spawn", machine: Optional[str] = None,
-            extra: Optional[list[str]] = None, keep: Optional[Path] = None, rounds: int = 2,
+            extra: Optional[list[str]] = None, keep: Optional[Path] = None, rounds: int = 3,
             log=print) -> int:
     """Run the suite against BASE and HEAD, print the comparison; 1 on a regression.
 
-    The runs alternate BASE, HEAD, BASE, HEAD, ... (`rounds` each, samples
-    appended), so a load that comes and goes on the machine hits both sides.
+    The runs alternate BASE, HEAD, BASE, HEAD, ... (`rounds` pairs, each pair
+    compared on its own, see `combine_rounds`), so a load that comes and goes on
+    the machine cannot fake or hide a slowdown by hitting one side only.
     """
     repo = Path(_git(Path(repo), "rev-parse", "--show-toplevel"))
     machine = _machine_name(machine)
@@ -286,15 +321,17 @@ def regress(base: str, head: str, repo=".", bench: Optional[list[str]] = None,
         for label, commit in (("base", base), ("head", head)):
             sha, src = checkout(repo, commit, work)
             log(f"[regress] {label} {commit} = {sha[:12]}")
-            sides.append((sha, src, work / label))
-        files = [None, None]
+            sides.append((sha, src, label))
+        per_round = []
         for r in range(rounds):
-            more = ["-a", "rounds=1"] + (["--append-samples"] if r else []) if rounds > 1 else []
-            for i, (sha, src, side_dir) in enumerate(sides):
-                side_dir.mkdir(exist_ok=True)
-                files[i] = asv_run(repo, sha, src, side_dir, bench or [], quick, launch_method,
-                                   machine, (extra or []) + more, log=log)
-        changes = compare(files[0], files[1], threshold)
+            files = []
+            for sha, src, label in sides:
+                out = work / f"round{r}" / label
+                out.mkdir(parents=True, exist_ok=True)
+                files.append(asv_run(repo, sha, src, out, bench or [], quick, launch_method,
+                                     machine, (extra or []) + ["-a", "rounds=1"], log=log))
+            per_round.append(compare(files[0], files[1], threshold))
+        changes = combine_rounds(per_round) if rounds > 1 else per_round[0]
         log(format_changes(changes, threshold))
         return 1 if any(c.regression for c in changes) else 0
     finally:

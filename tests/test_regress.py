@@ -7,7 +7,7 @@ import math
 import pytest
 
 from fp8_reload.cli import main
-from fp8_reload.regress import compare
+from fp8_reload.regress import combine_rounds, compare
 
 from .asv_files import write_benchmarks_json, write_result
 
@@ -114,3 +114,25 @@ def test_cli_exit_status(root, capsys):
     out = capsys.readouterr().out
     assert "slower" in out and "FilteredReload.time_reload(small, fixed)" in out
     assert main(["regress", "--files", "--threshold", "0.3", str(base), str(head)]) == 0
+
+
+def test_a_slowdown_must_show_in_every_round(root):
+    rounds = []
+    for k, head in enumerate(([1.5, 2.0], [1.3, 2.5], [1.2, 1.9])):
+        b = write_result(root / f"r{k}", "m", "a" * 40, {T: (PARAMS, [1.0, 2.0])})
+        h = write_result(root / f"r{k}", "m", "b" * 40, {T: (PARAMS, head)})
+        rounds.append(compare(b, h))
+    c = by_strategy(combine_rounds(rounds))
+    assert c["fixed"].status == "slower" and c["fixed"].round_ratios == pytest.approx((1.5, 1.3, 1.2))
+    assert math.isclose(c["fixed"].ratio, 1.2)  # best of the rounds on each side
+    # scan-all: +25% in one round only (noise), not a regression
+    assert c["scan-all"].status == "same" and not c["scan-all"].regression
+
+
+def test_a_failure_in_any_round_fails(root):
+    rounds = []
+    for k, head in enumerate(([1.0, 2.0], [None, 2.0])):
+        b = write_result(root / f"r{k}", "m", "a" * 40, {T: (PARAMS, [1.0, 2.0])})
+        h = write_result(root / f"r{k}", "m", "b" * 40, {T: (PARAMS, head)})
+        rounds.append(compare(b, h))
+    assert by_strategy(combine_rounds(rounds))["fixed"].status == "failed"
