@@ -62,7 +62,7 @@ TOKENS = [int(t) for t in _env_list("FP8_RELOAD_BENCH_TOKENS", "128,1024,4096" i
 # Share of each MoE layer's routed experts a filtered reload moves ("1/layer": one expert).
 FRACTIONS = ["1/layer", "10%", "50%", "100%"]
 # Every forward backend the project knows; the ones missing here are skipped.
-BACKENDS = ["torch", "triton", "deep_gemm"]
+BACKENDS = ["torch", "triton", "deep_gemm", "deep_gemm_masked"]
 
 _threads = os.environ.get("FP8_RELOAD_BENCH_THREADS")
 if _threads or (os.environ.get("ASV") and not ON_CUDA):  # only inside asv's processes
@@ -136,18 +136,10 @@ def requires_backend(name: str) -> None:
     """Skip unless MoE forward backend `name` is registered and usable on `DEVICE`."""
     if name == "triton":
         requires_triton()
-    elif name == "deep_gemm":
+    elif name.startswith("deep_gemm"):
         requires_deep_gemm()
     if name not in kernels.available_backends():
         raise NotImplementedError(f"MoE backend {name!r} is not registered in fp8_reload.kernels")
-
-
-def requires_attr(obj, name: str, why: str):
-    """The attribute, or a skip saying which API the benchmark waits for."""
-    value = getattr(obj, name, None)
-    if value is None:
-        raise NotImplementedError(f"{getattr(obj, '__name__', obj)}.{name} is missing: {why}")
-    return value
 
 
 # --------------------------------------------------------------------------

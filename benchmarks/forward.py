@@ -1,18 +1,26 @@
-"""MoE layer forward per backend and token count, and the DeepGEMM block-scale
-expansion: upstream's per-forward `repeat_interleave` vs computed once and cached.
+"""MoE layer forward per backend and token count, and DeepGEMM's block scales:
+upstream's per-forward `repeat_interleave` expansion vs expanded once and cached.
 
 Times only: throughput (TFLOPS) is derived from these times by `fp8-reload report`.
-Backends missing here (triton and deep_gemm without CUDA) are skipped.
+Backends missing here (triton and deep_gemm without CUDA) are skipped. Optional
+kernel modules are imported in `setup`, so the suite still imports against older
+commits (`fp8-reload regress`).
 """
 
 from __future__ import annotations
 
-from fp8_reload import kernels
-
 from .common import (BACKENDS, PRESETS, TOKENS, CheckpointSuite, RoutedBatch, checkpoint_key,
-                     requires_attr, requires_backend, requires_deep_gemm, synchronized)
+                     requires_backend, synchronized)
 
 _warm: set = set()
+
+
+def _kernels_deepgemm():
+    try:
+        from fp8_reload import kernels_deepgemm
+    except ImportError as e:
+        raise NotImplementedError(f"fp8_reload.kernels_deepgemm is missing: {e}") from e
+    return kernels_deepgemm
 
 
 @synchronized
@@ -31,27 +39,45 @@ class MoEForward(CheckpointSuite):
         self.batch.forward(backend)
 
 
-# The kernels issue keeps upstream's per-forward expansion as a baseline. This is
-# the entry point the benchmark expects from it (skipped until it exists):
-#   kernels.block_scales(layer, cached: bool) -> block scales for w13 and w2,
-#   cached=False recomputing them with repeat_interleave like sglang on every
-#   forward, cached=True returning the copy kept until the next reload.
-EXPANSIONS = {"per-forward": False, "cached": True}
+@synchronized
+class DeepGemmScaleMode(CheckpointSuite):
+    """The DeepGEMM forward fed block scales three ways: ``precomputed`` (what a
+    block-quantized checkpoint stores: the ceiling), ``cached`` (this project:
+    expanded once per weights version) and ``per-forward`` (sglang 0.5.23)."""
+
+    params = (PRESETS, ["precomputed", "cached", "per-forward"], TOKENS)
+    param_names = ["preset", "scale_mode", "tokens"]
+
+    def setup(self, paths, preset, scale_mode, tokens):
+        requires_backend("deep_gemm")
+        dg = _kernels_deepgemm()
+        self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
+        b = self.batch
+        pre = dg._build_block_scales(b.layer) if scale_mode == "precomputed" else None
+        self.call = lambda: dg.moe_forward_deepgemm(b.layer, b.x, b.topk_weights, b.topk_ids,
+                                                    scale_mode=scale_mode, precomputed_scales=pre)
+        if (preset, scale_mode, tokens) not in _warm:
+            self.call()
+            _warm.add((preset, scale_mode, tokens))
+
+    def time_forward(self, paths, preset, scale_mode, tokens):
+        self.call()
 
 
 @synchronized
 class BlockScaleExpansion(CheckpointSuite):
-    params = (PRESETS, list(EXPANSIONS))
+    """Block scales alone (pure torch, so it runs on CPU too): the two
+    `repeat_interleave` sglang runs on every forward vs the cached copy."""
+
+    params = (PRESETS, ["per-forward", "cached"])
     param_names = ["preset", "expansion"]
 
     def setup(self, paths, preset, expansion):
-        requires_deep_gemm()
-        self.block_scales = requires_attr(
-            kernels, "block_scales",
-            "expected block_scales(layer, cached) from the DeepGEMM kernels issue")
-        self.layer = RoutedBatch(paths[checkpoint_key(preset, "fp8")], 1).layer
-        self.cached = EXPANSIONS[expansion]
-        self.block_scales(self.layer, cached=self.cached)  # fills the cache
+        dg = _kernels_deepgemm()
+        layer = RoutedBatch(paths[checkpoint_key(preset, "fp8")], 1).layer
+        fn = dg.block_scales_per_forward if expansion == "per-forward" else dg.block_scales
+        self.call = lambda: fn(layer)
+        self.call()  # fills the cache
 
     def time_block_scales(self, paths, preset, expansion):
-        self.block_scales(self.layer, cached=self.cached)
+        self.call()
