@@ -207,7 +207,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="asv --bench regex (repeatable; default: the whole suite)")
     g.add_argument("--quick", action="store_true", help="one sample per benchmark (asv --quick)")
     g.add_argument("--launch-method", default="spawn", choices=("spawn", "forkserver"),
-                   help="spawn (CUDA-safe, default) or forkserver (much faster on CPU)")
+                   help="spawn (default; the one to take numbers with) or forkserver (faster "
+                        "start on CPU, but fork artifacts distort times: smoke tests only)")
     g.add_argument("--rounds", type=int, default=3,
                    help="interleaved BASE/HEAD run pairs; a slowdown must show in every one (3)")
     g.add_argument("--machine", default=None, help="asv machine name")

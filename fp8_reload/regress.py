@@ -13,7 +13,7 @@ best (minimum) sample when both files carry samples (`regress` runs asv with
 ``--record-samples``): noise on a shared machine only ever adds time, so the
 minimum is the most stable estimate of what the code costs. `regress` runs
 BASE and HEAD alternately in several rounds and fails only on a slowdown that
-every round shows (`combine_rounds`). Without samples
+every round shows (`combine_rounds`), in ABBA order. Without samples
 it is asv's median, and when both sides carry asv's 99% confidence interval
 of the median a change must also be significant (the intervals do not
 overlap). A benchmark that ran in BASE and fails in HEAD is a regression too;
@@ -306,9 +306,9 @@ def regress(base: str, head: str, repo=".", bench: Optional[list[str]] = None,
             log=print) -> int:
     """Run the suite against BASE and HEAD, print the comparison; 1 on a regression.
 
-    The runs alternate BASE, HEAD, BASE, HEAD, ... (`rounds` pairs, each pair
-    compared on its own, see `combine_rounds`), so a load that comes and goes on
-    the machine cannot fake or hide a slowdown by hitting one side only.
+    The runs come in `rounds` pairs in ABBA order (BASE HEAD, HEAD BASE, ...),
+    each pair compared on its own (`combine_rounds`): load that comes and goes,
+    or an advantage of running first, cannot fake or hide a slowdown.
     """
     repo = Path(_git(Path(repo), "rev-parse", "--show-toplevel"))
     machine = _machine_name(machine)
@@ -324,13 +324,15 @@ def regress(base: str, head: str, repo=".", bench: Optional[list[str]] = None,
             sides.append((sha, src, label))
         per_round = []
         for r in range(rounds):
-            files = []
-            for sha, src, label in sides:
+            files = {}
+            # ABBA order: whatever favours the first (or second) run of a pair
+            # favours BASE in one round and HEAD in the next, and cancels out
+            for sha, src, label in (sides if r % 2 == 0 else sides[::-1]):
                 out = work / f"round{r}" / label
                 out.mkdir(parents=True, exist_ok=True)
-                files.append(asv_run(repo, sha, src, out, bench or [], quick, launch_method,
-                                     machine, (extra or []) + ["-a", "rounds=1"], log=log))
-            per_round.append(compare(files[0], files[1], threshold))
+                files[label] = asv_run(repo, sha, src, out, bench or [], quick, launch_method,
+                                       machine, (extra or []) + ["-a", "rounds=1"], log=log)
+            per_round.append(compare(files["base"], files["head"], threshold))
         changes = combine_rounds(per_round) if rounds > 1 else per_round[0]
         log(format_changes(changes, threshold))
         return 1 if any(c.regression for c in changes) else 0

@@ -274,6 +274,35 @@ def forward_table(df) -> "pd.DataFrame":
     return out
 
 
+def scales_table(df) -> "pd.DataFrame":
+    """DeepGEMM forward per block-scale mode (ms, and throughput relative to
+    precomputed scales), plus the expansion alone (BlockScaleExpansion)."""
+    import pandas as pd
+
+    rows = []
+    sm = df[df["benchmark"].str.endswith("DeepGemmScaleMode.time_forward")].dropna(subset=["value"])
+    for (machine, preset, tokens), g in sm.groupby(["machine", "preset", "tokens"]):
+        t = dict(zip(g["scale_mode"], g["value"]))
+        pre = t.get("precomputed")
+        row = dict(machine=machine, preset=preset, what=f"DeepGEMM forward, {int(tokens)} tokens")
+        for mode in ("precomputed", "cached", "per-forward"):
+            row[f"{mode} ms"] = t[mode] * 1e3 if mode in t else None
+        row["cached vs precomputed"] = f"{pre / t['cached']:.1%}" if pre and "cached" in t else None
+        row["per-forward vs precomputed"] = (f"{pre / t['per-forward']:.1%}"
+                                             if pre and "per-forward" in t else None)
+        rows.append(row)
+    ex = df[df["benchmark"].str.endswith("BlockScaleExpansion.time_block_scales")].dropna(subset=["value"])
+    for (machine, preset), g in ex.groupby(["machine", "preset"]):
+        t = dict(zip(g["expansion"], g["value"]))
+        row = dict(machine=machine, preset=preset, what="block scales alone (w13 + w2)",
+                   **{"cached ms": t["cached"] * 1e3 if "cached" in t else None,
+                      "per-forward ms": t["per-forward"] * 1e3 if "per-forward" in t else None})
+        if "cached" in t and "per-forward" in t:
+            row["note"] = f"cached lookup {t['per-forward'] / t['cached']:.0f}x faster than re-expanding"
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+
 # --------------------------------------------------------------------------
 # Output
 # --------------------------------------------------------------------------
@@ -397,7 +426,11 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: O
     if not fw.empty:
         fw.to_csv(out_dir / "forward.csv", index=False)
         written["forward.csv"] = out_dir / "forward.csv"
-    md = format_markdown(df, hl, fw, results_dir)
+    sc = scales_table(df)
+    if not sc.empty:
+        sc.to_csv(out_dir / "scales.csv", index=False)
+        written["scales.csv"] = out_dir / "scales.csv"
+    md = format_markdown(df, hl, fw, results_dir, sc)
     (out_dir / "headline.md").write_text(md)
     written["headline.md"] = out_dir / "headline.md"
     for name, fn, data in (("reload_vs_fraction.png", plot_reload, df),
@@ -407,7 +440,7 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: O
     return written
 
 
-def format_markdown(df, hl, fw, results_dir) -> str:
+def format_markdown(df, hl, fw, results_dir, sc=None) -> str:
     parts = ["# fp8-reload benchmark report", ""]
     for machine, mdf in df.groupby("machine"):
         info = machine_info(results_dir, machine)
@@ -425,6 +458,12 @@ def format_markdown(df, hl, fw, results_dir) -> str:
             parts.append("MoE layer forward (routed experts, FLOPs = 6 * tokens * top_k * hidden * inter):")
             parts.append("")
             parts.append(_md_table(f.drop(columns=["machine"]).round(4)))
+            parts.append("")
+        c = sc[sc.machine == machine] if sc is not None and not sc.empty else None
+        if c is not None and not c.empty:
+            parts.append("Block scales for DeepGEMM (per-tensor scales expanded to 128x128 blocks):")
+            parts.append("")
+            parts.append(_md_table(c.drop(columns=["machine"]).dropna(axis=1, how="all").round(4)))
             parts.append("")
         failed = mdf[mdf["failed"]]
         if not failed.empty:

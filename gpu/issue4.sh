@@ -57,6 +57,13 @@ print("asv machine:", info)
 EOF
 
 echo
+echo "== JIT caches (DeepGEMM / Triton kernels of the v2-lite shapes, compiled in parallel once)"
+if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ]; then
+  $PY -m fp8_reload.cli bench-kernels --jit-only --jit-procs 12 --no-gemm \
+    --tokens "${FP8_RELOAD_BENCH_TOKENS:-128,1024,4096}" --out "$OUT/jit" 2>&1 | tail -3
+fi
+
+echo
 echo "== where reload time goes (fixed model, phases of the last of 3 reloads)"
 $PY - <<'EOF' 2>&1 | tee "$OUT/phases.log"
 import os, time, torch
@@ -97,6 +104,7 @@ BENCH=(
   -b "ProcessMoELayer\.time_process"
   -b "MoEForward\.time_forward"
   -b "ForwardAccuracy\.track_calc_diff"
+  -b "DeepGemmScaleMode\.time_forward\($F, $F, 128\)"
   -b "BlockScaleExpansion\.time_block_scales"
 )
 $PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \

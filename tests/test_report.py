@@ -23,6 +23,8 @@ PROC = "processing.ProcessMoELayer.time_process"
 MEM = "reload.ReloadDeviceMemory.track_peak_bytes"
 FWD = "forward.MoEForward.time_forward"
 ACC = "accuracy.ForwardAccuracy.track_calc_diff"
+SM = "forward.DeepGemmScaleMode.time_forward"
+EX = "forward.BlockScaleExpansion.time_block_scales"
 NAN = float("nan")
 
 
@@ -47,6 +49,9 @@ def results(tmp_path):
         MEM: (["preset", "kind", "experts"], [["small"], KINDS, FR + ["full"]], "bytes"),
         FWD: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [16, 128]], "seconds"),
         ACC: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [64]], "calc_diff"),
+        SM: (["preset", "scale_mode", "tokens"], [["small"], ["precomputed", "cached", "per-forward"],
+                                                  [128]], "seconds"),
+        EX: (["preset", "expansion"], [["small"], ["per-forward", "cached"]], "seconds"),
     })
     write_machine(root, "box", gpu="Test GPU")
     res = {
@@ -58,6 +63,8 @@ def results(tmp_path):
         MEM: ([["small"], KINDS, FR + ["full"]], [NAN] * 5 + [50 * 2**20, NAN, NAN, NAN, 3 * 2**30]),
         FWD: ([["small"], ["torch", "triton"], [16, 128]], [0.002, 0.004, NAN, None]),
         ACC: ([["small"], ["torch", "triton"], [64]], [1.5e-3, NAN]),
+        SM: ([["small"], ["precomputed", "cached", "per-forward"], [128]], [0.00100, 0.00102, 0.00125]),
+        EX: ([["small"], ["per-forward", "cached"]], [2e-5, 1e-6]),
     }
     write_result(root, "box", "c" * 40, res, started_at=2000)
     # an older run of another commit on the same machine: must not leak into the report
@@ -102,7 +109,7 @@ def test_headline_ratios_and_targets(results):
 def test_write_report_files(results, tmp_path):
     out = tmp_path / "report"
     written = write_report(results, out)
-    assert set(written) == {"results.csv", "headline.csv", "headline.md", "forward.csv",
+    assert set(written) == {"results.csv", "headline.csv", "headline.md", "forward.csv", "scales.csv",
                             "reload_vs_fraction.png", "forward_tflops.png"}
     for png in ("reload_vs_fraction.png", "forward_tflops.png"):
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -118,6 +125,12 @@ def test_write_report_files(results, tmp_path):
     assert math.isclose(fw.loc[("torch", 128), "tflops"], flops / 0.004 / 1e12)
     assert fw.loc[("torch", 16), "calc_diff"] == 1.5e-3
     assert ("triton", 128) not in fw.index  # failed run: no throughput
+    sc = pd.read_csv(out / "scales.csv").set_index("what")
+    row = sc.loc["DeepGEMM forward, 128 tokens"]
+    assert row["cached vs precomputed"] == "98.0%" and row["per-forward vs precomputed"] == "80.0%"
+    assert sc.loc["block scales alone (w13 + w2)"]["note"] == \
+        "cached lookup 20x faster than re-expanding"
+    assert "Block scales for DeepGEMM" in md
 
 
 def test_fraction_values_match_the_benchmarks():
