@@ -139,7 +139,8 @@ def requires_backend(name: str) -> None:
     elif name.startswith("deep_gemm"):
         requires_deep_gemm()
     if name not in kernels.available_backends():
-        raise NotImplementedError(f"MoE backend {name!r} is not registered in fp8_reload.kernels")
+        why = getattr(kernels, "UNAVAILABLE", {}).get(name, "not registered in fp8_reload.kernels")
+        raise NotImplementedError(f"MoE backend {name!r} is not available: {why}")
 
 
 # --------------------------------------------------------------------------

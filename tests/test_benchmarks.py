@@ -30,7 +30,7 @@ import fp8_reload as fr
 REPO = Path(__file__).resolve().parents[1]
 MODULES = ["reload", "processing", "forward", "accuracy"]
 # Why a benchmark may skip on a machine without CUDA.
-CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not registered")
+CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not available")
 ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32"}
 
 
