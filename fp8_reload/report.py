@@ -331,6 +331,7 @@ def plot_reload(df, path: Path) -> Optional[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     rel = df[df["benchmark"].str.contains(r"FilteredReload\.time_reload|RawReadCopy\.time_read_copy|"
                                           r"FullReload\.time_reload")].dropna(subset=["value"])
@@ -361,6 +362,12 @@ def plot_reload(df, path: Path) -> Optional[Path]:
             ax.axhline(raw_full * 1e3, color="tab:gray", ls=":", lw=1, label="raw bound, full")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        plain = matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}")
+        xs = sorted({x for pts in series.values() for x, _ in pts})
+        ax.set_xticks(xs, [f"1/{e}" if abs(x - 1 / e) < 1e-9 else f"{x:.0%}" for x in xs])
+        ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        ax.yaxis.set_major_formatter(plain)
+        ax.yaxis.set_minor_formatter(matplotlib.ticker.LogFormatter(minor_thresholds=(1.3, 0.5)))
         ax.set_xlabel(f"share of each layer's {e} experts reloaded")
         ax.set_ylabel("reload time (ms)")
         ax.set_title(f"{machine}: {preset}, {kind} checkpoint", fontsize=10)
@@ -378,6 +385,7 @@ def plot_forward(fw, path: Path) -> Optional[Path]:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker  # noqa: F401
 
     if fw.empty:
         return None
@@ -389,6 +397,8 @@ def plot_forward(fw, path: Path) -> Optional[Path]:
             b = b.sort_values("tokens")
             ax.plot(b["tokens"], b["tflops"], marker="o", label=backend)
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted(sub["tokens"].unique()))
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
         ax.set_xlabel("tokens")
         ax.set_ylabel("TFLOPS (routed-expert GEMMs)")
         ax.set_title(f"{machine}: MoE layer forward, {preset}", fontsize=10)

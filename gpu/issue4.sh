@@ -30,8 +30,9 @@ import torch, asv, importlib.util as u
 print("torch", torch.__version__, "cuda", torch.version.cuda, "asv", asv.__version__,
       "| triton", bool(u.find_spec("triton")), "deep_gemm", bool(u.find_spec("deep_gemm")))
 import fp8_reload.kernels as k
-print("MoE backends registered:", k.available_backends(),
-      "| kernels.block_scales:", hasattr(k, "block_scales"))
+print("MoE backends available:", k.available_backends())
+for name, why in getattr(k, "UNAVAILABLE", {}).items():
+    print(f"  {name}: unavailable: {why}")
 EOF
 
 # asv needs a git commit to file results under. The device copy may have no .git:
@@ -40,7 +41,8 @@ if SHA=$(git rev-parse HEAD 2>/dev/null); then
   echo "commit $SHA (dirty files: $(git status --porcelain | wc -l))"
 else
   echo "no git repository here: committing this copy to a scratch repo for asv"
-  git init -q . && git add -A >/dev/null && \
+  # branch "main": asv.conf.json names it
+  git init -q . && git symbolic-ref HEAD refs/heads/main && git add -A >/dev/null && \
     git -c user.email=h200@local -c user.name=h200 commit -qm "h200 run of ${FP8_RELOAD_COMMIT:-unknown}" \
     && SHA=$(git rev-parse HEAD) || { echo "FAILED: git is needed by asv"; exit 1; }
 fi
@@ -99,6 +101,7 @@ BENCH=(
   -b "FilteredReload\.time_reload\($F, 'fp8', $F, '(fixed|upstream-style)'\)"
   -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
   -b "RawReadCopy\.time_read_copy\($F, 'fp8'"
+  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full'\)"
   -b "FullReload\.time_reload"
   -b "ReloadDeviceMemory\.track_peak_bytes\($F, $F, '(1/layer|full)'\)"
   -b "ProcessMoELayer\.time_process"

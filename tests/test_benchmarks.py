@@ -236,3 +236,15 @@ def test_forward_fixture_layer_equals_the_fully_loaded_models_layer(suite, tmp_p
         assert torch.equal(_u8(p.data), _u8(getattr(batch.layer, name).data)), name
     ref = fr.kernels.run_moe(layer, batch.x, batch.topk_weights, batch.topk_ids, backend="torch")
     assert torch.equal(batch.forward("torch"), ref)
+
+
+def test_kept_checkpoints_are_reused_only_when_they_match(suite, tmp_path):
+    common, _ = suite
+    first = common.write_checkpoints(tmp_path, presets=["tiny"], kinds=["fp8"])
+    index = Path(first["tiny-fp8"]) / "model.safetensors.index.json"
+    stamp = index.stat().st_mtime_ns
+    assert common.write_checkpoints(tmp_path, presets=["tiny"], kinds=["fp8"]) == first
+    assert index.stat().st_mtime_ns == stamp  # reused, not rewritten
+    (Path(first["tiny-fp8"]) / "config.json").write_text("{}")  # damaged: rewritten
+    common.write_checkpoints(tmp_path, presets=["tiny"], kinds=["fp8"])
+    assert fr.Checkpoint(first["tiny-fp8"]).config == common.preset_config("tiny")
