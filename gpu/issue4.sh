@@ -101,7 +101,7 @@ BENCH=(
   -b "FilteredReload\.time_reload\($F, 'fp8', $F, '(fixed|upstream-style)'\)"
   -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
   -b "RawReadCopy\.time_read_copy\($F, 'fp8'"
-  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full'\)"
+  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full', $F\)"
   -b "FullReload\.time_reload"
   -b "ReloadDeviceMemory\.track_peak_bytes\($F, $F, '(1/layer|full)'\)"
   -b "ProcessMoELayer\.time_process"

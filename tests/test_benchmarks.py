@@ -119,12 +119,35 @@ def test_raw_bound_reads_exactly_the_bytes_of_the_fixed_reload(ran, suite):
     for kind in common.KINDS:
         for experts in common.FRACTIONS:
             fixed = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "fixed"))]
-            raw = ran[("RawReadCopy.track_bytes", ("tiny", kind, experts))]
+            for reader in ("safetensors", "preadv"):
+                raw = ran[("RawReadCopy.track_bytes", ("tiny", kind, experts, reader))]
+                assert fixed == raw > 0
             scan = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "scan-all"))]
-            assert fixed == raw > 0
-            assert scan == ran[("RawReadCopy.track_bytes", ("tiny", kind, "full"))] >= fixed
+            assert scan == ran[("RawReadCopy.track_bytes", ("tiny", kind, "full", "preadv"))] >= fixed
         assert ran[("FullReload.track_bytes_read", ("tiny", kind))] == \
-            ran[("RawReadCopy.track_bytes", ("tiny", kind, "full"))]
+            ran[("RawReadCopy.track_bytes", ("tiny", kind, "full", "safetensors"))]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_both_raw_readers_deliver_the_checkpoint_bytes(suite, tmp_path, kind):
+    common, mods = suite
+    path = fr.write_checkpoint(tmp_path / kind, common.preset_config("tiny"), kind=kind)
+    paths = {f"tiny-{kind}": str(path)}
+    out = {}
+    for reader in ("safetensors", "preadv"):
+        b = mods["reload"].RawReadCopy()
+        b.setup(paths, "tiny", kind, "full", reader)
+        for group in b.groups.values():
+            for _, dst in group:
+                dst.zero_() if dst.dtype != torch.float8_e4m3fn else dst.view(torch.uint8).zero_()
+        b.time_read_copy(paths, "tiny", kind, "full", reader)
+        out[reader] = {n: _u8(d).cpu().clone() for g in b.groups.values() for n, d in g}
+    ck = fr.Checkpoint(path)
+    expected = dict(ck.read(ck.names))
+    assert set(out["preadv"]) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(out["preadv"][name], _u8(t)), name
+        assert torch.equal(out["safetensors"][name], _u8(t)), name
 
 
 def test_one_expert_per_layer_reads_one_expert_per_layer(suite):
