@@ -83,7 +83,8 @@ def _cmd_report(args) -> int:
     from .report import write_report
 
     try:
-        written = write_report(args.results, args.out, machine=args.machine, commit=args.commit)
+        written = write_report(args.results, args.out, machine=args.machine, commit=args.commit,
+                               stat=args.stat)
     except FileNotFoundError as e:
         print(f"fp8-reload report: {e}", file=sys.stderr)
         return 2
@@ -193,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--out", default="results/report", help="where to write tables and plots")
     r.add_argument("--machine", default=None, help="only this asv machine (default: all)")
     r.add_argument("--commit", default=None, help="this commit (hash prefix) instead of the newest run")
+    r.add_argument("--stat", choices=("best", "median"), default="best",
+                   help="times: best sample (default, where samples were recorded) or asv's median")
     r.set_defaults(func=_cmd_report)
 
     g = sub.add_parser("regress", help="run the asv suite on two commits; exit 1 on a slowdown",

@@ -77,7 +77,8 @@ def load_results(results_dir, machine: Optional[str] = None, commit: Optional[st
     """One row per (machine, commit, benchmark, parameter set).
 
     Columns: machine, commit, date, benchmark, module, bench_type (time/track),
-    unit, params (dict), value, failed, plus one column per parameter name
+    unit, params (dict), value (asv's result: the median for times), best (the
+    lowest sample, where asv recorded samples), failed, plus one column per parameter name
     (e.g. preset, kind = checkpoint kind, experts, strategy, backend, tokens). For each
     machine only the results file of the newest run (by asv's ``started_at``) is
     kept, unless `commit` (a hash prefix) picks one.
@@ -111,7 +112,9 @@ def load_results(results_dir, machine: Optional[str] = None, commit: Optional[st
                 names = info.get("param_names") or [f"p{i}" for i in range(len(params))]
                 if not isinstance(values, list):
                     values = [values]
-                for combo, value in zip(_product(params), values):
+                samples = rec.get("samples") or [None] * len(values)
+                for combo, value, smp in zip(_product(params), values, samples):
+                    good = [x for x in smp or [] if x is not None and x == x]
                     row = {"machine": mdir.name, "commit": data["commit_hash"],
                            "date": data.get("date"), "run_at": run_at, "file": f.name,
                            "benchmark": bench,
@@ -120,6 +123,7 @@ def load_results(results_dir, machine: Optional[str] = None, commit: Optional[st
                            "unit": info.get("unit", "seconds" if ".time_" in bench else ""),
                            "params": dict(zip(names, combo)),
                            "value": float("nan") if value is None else float(value),
+                           "best": min(good) if good and value is not None else float("nan"),
                            "failed": value is None}
                     row.update(dict(zip(names, combo)))
                     rows.append(row)
@@ -296,7 +300,7 @@ def scales_table(df) -> "pd.DataFrame":
 
     rows = []
     sm = df[df["benchmark"].str.endswith("DeepGemmScaleMode.time_forward")].dropna(subset=["value"])
-    for (machine, preset, tokens), g in sm.groupby(["machine", "preset", "tokens"]):
+    for (machine, preset, tokens), g in (sm.groupby(["machine", "preset", "tokens"]) if len(sm) else ()):
         t = dict(zip(g["scale_mode"], g["value"]))
         pre = t.get("precomputed")
         row = dict(machine=machine, preset=preset, what=f"DeepGEMM forward, {int(tokens)} tokens")
@@ -307,7 +311,7 @@ def scales_table(df) -> "pd.DataFrame":
                                              if pre and "per-forward" in t else None)
         rows.append(row)
     ex = df[df["benchmark"].str.endswith("BlockScaleExpansion.time_block_scales")].dropna(subset=["value"])
-    for (machine, preset), g in ex.groupby(["machine", "preset"]):
+    for (machine, preset), g in (ex.groupby(["machine", "preset"]) if len(ex) else ()):
         t = dict(zip(g["expansion"], g["value"]))
         row = dict(machine=machine, preset=preset, what="block scales alone (w13 + w2)",
                    **{"cached ms": t["cached"] * 1e3 if "cached" in t else None,
@@ -430,9 +434,12 @@ def plot_forward(fw, path: Path) -> Optional[Path]:
 
 
 def write_report(results_dir="results/asv", out_dir="results/report", machine: Optional[str] = None,
-                 commit: Optional[str] = None) -> dict[str, Path]:
-    """Write headline.md / headline.csv / results.csv / forward.csv and the two plots.
+                 commit: Optional[str] = None, stat: str = "best") -> dict[str, Path]:
+    """Write headline.md / headline.csv / results.csv / forward.csv / scales.csv and the plots.
 
+    `stat` "best": times are each benchmark's lowest sample where asv recorded
+    samples (``--record-samples``): on a shared machine noise only adds time, and
+    one disturbed process can shift asv's median by 100x; "median": asv's value.
     Returns {name: path} of what was written. Raises FileNotFoundError when
     there are no results to report.
     """
@@ -443,6 +450,11 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: O
     if df.empty:
         raise FileNotFoundError(f"{results_dir}: no asv results"
                                 + (f" for machine {machine!r}" if machine else ""))
+    if stat not in ("best", "median"):
+        raise ValueError(f"stat must be best or median, not {stat!r}")
+    df["asv_value"] = df["value"]
+    if stat == "best":
+        df["value"] = df["best"].where(df["best"].notna(), df["value"])
     out_dir.mkdir(parents=True, exist_ok=True)
     written = {}
     hl = headline(df)
@@ -459,7 +471,7 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: O
     if not sc.empty:
         sc.to_csv(out_dir / "scales.csv", index=False)
         written["scales.csv"] = out_dir / "scales.csv"
-    md = format_markdown(df, hl, fw, results_dir, sc)
+    md = format_markdown(df, hl, fw, results_dir, sc, stat)
     (out_dir / "headline.md").write_text(md)
     written["headline.md"] = out_dir / "headline.md"
     for name, fn, data in (("reload_vs_fraction.png", plot_reload, df),
@@ -469,8 +481,10 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: O
     return written
 
 
-def format_markdown(df, hl, fw, results_dir, sc=None) -> str:
-    parts = ["# fp8-reload benchmark report", ""]
+def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
+    parts = ["# fp8-reload benchmark report", "",
+             ("Times: each benchmark's best sample where asv recorded samples (asv's median is "
+              "`asv_value` in results.csv)." if stat == "best" else "Times: asv's median."), ""]
     for machine, mdf in df.groupby("machine"):
         info = machine_info(results_dir, machine)
         commit = mdf["commit"].iloc[0][:8]

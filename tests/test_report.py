@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pandas as pd
 import pytest
@@ -155,3 +156,20 @@ def test_cli_report(results, tmp_path, capsys):
     assert main(["report", "--results", str(results), "--out", str(tmp_path / "r")]) == 0
     assert "full reload vs raw read+copy bound" in capsys.readouterr().out
     assert main(["report", "--results", str(tmp_path / "none"), "--out", str(tmp_path / "r")]) == 2
+
+
+def test_times_are_best_samples_unless_median_is_asked_for(tmp_path):
+    root = tmp_path / "asv"
+    write_benchmarks_json(root, {FULL: (["preset", "kind"], [["small"], ["fp8"]], "seconds"),
+                                 RAW: (["preset", "kind", "experts", "reader"],
+                                       [["small"], ["fp8"], ["full"], ["safetensors"]], "seconds")})
+    write_machine(root, "box")
+    inf = float("inf")
+    # one disturbed process: the median is 10x off, the best sample is not
+    write_result(root, "box", "e" * 40, {
+        FULL: ([["small"], ["fp8"]], [1.0], [-inf], [inf], [[0.1, 1.0, 1.1, 0.12]]),
+        RAW: ([["small"], ["fp8"], ["full"], ["safetensors"]], [0.08], [-inf], [inf], [[0.08, 0.09]])})
+    best = pd.read_csv(Path(write_report(root, tmp_path / "b")["headline.csv"]))
+    median = pd.read_csv(Path(write_report(root, tmp_path / "m", stat="median")["headline.csv"]))
+    assert best["value"].iloc[0] == 80.0 and median["value"].iloc[0] == 8.0
+    assert "asv's median is `asv_value`" in (tmp_path / "b" / "headline.md").read_text()
