@@ -2,7 +2,7 @@
 # Issue 4 on the H200: run the asv suite (v2-lite slice), write the report, print the
 # headline ratios against their targets, plus where reload time goes (per phase).
 #
-#   bash gpu/issue4.sh                 # from the repo root; a few minutes
+#   bash gpu/issue4.sh                 # from the repo root; about 5 minutes (~55 asv processes)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/issue4.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
 # Results: $OUT/asv/<machine>/*.json (+ benchmarks.json) -> commit them as results/asv/,
