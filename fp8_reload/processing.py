@@ -40,6 +40,23 @@ CHUNK_BYTES = 256 << 20
 # Tensor-level helpers (shared with sglang_patch)
 # --------------------------------------------------------------------------
 
+def _gather_to(device, rows: list[list[torch.Tensor]]) -> torch.Tensor:
+    """Stack ``rows[k]`` (pieces concatenated along dim 0) into one new tensor on `device`.
+
+    The pieces are copied straight into their slices (one async copy each from pinned
+    staging memory): no host-side concatenation, and device memory holds only the result.
+    """
+    first = rows[0][0]
+    height = sum(p.shape[0] for p in rows[0])
+    out = torch.empty((len(rows), height, *first.shape[1:]), dtype=first.dtype, device=device)
+    for k, pieces in enumerate(rows):
+        start = 0
+        for p in pieces:
+            out[k].narrow(0, start, p.shape[0]).copy_(p, non_blocking=True)
+            start += p.shape[0]
+    return out
+
+
 def _chunks(idx: torch.Tensor, per_item_bytes: int) -> Iterable[torch.Tensor]:
     step = max(1, CHUNK_BYTES // max(per_item_bytes, 1))
     for i in range(0, idx.numel(), step):
@@ -239,7 +256,7 @@ class FixedFp8LinearMethod:
         layer.needs_processing = True
         if param is layer.weight:
             if param.quantize_on_load:
-                layer.staged[shard_id] = loaded.to(param.device, copy=True, non_blocking=True)
+                layer.staged[shard_id] = loaded  # stays in host staging memory until processed
                 return
             start, rows = _shard_rows(layer, shard_id)
             self.checkpoint_view(layer).narrow(0, start, rows).copy_(loaded, non_blocking=True)
@@ -266,7 +283,7 @@ class FixedFp8LinearMethod:
             missing = [k for k in keys if k not in layer.staged]
             if missing:
                 raise RuntimeError(f"quantize-on-load: shards {missing} of the layer were not loaded")
-            full = torch.cat([layer.staged[k] for k in keys], dim=0)
+            full = _gather_to(w.device, [[layer.staged[k] for k in keys]])[0]
             q, scale = quantize_dynamic(full)
             w.copy_(q)
             layer.weight_scale.data.fill_(scale)
@@ -382,9 +399,9 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         layer.staged = {}
 
     def stage_expert_weight(self, layer, param, loaded, shard_id, slot):
-        # a copy: the source may be staging memory that the next reload reuses
-        layer.staged.setdefault(slot, {})[shard_id] = loaded.to(param.device, copy=True,
-                                                                non_blocking=True)
+        # Kept where the reload staged it (host memory on a GPU reload, valid until the
+        # reload ends): device memory then holds one processing chunk, not every expert.
+        layer.staged.setdefault(slot, {})[shard_id] = loaded
 
     def _scope(self, layer) -> torch.Tensor:
         if self.process_all_experts:
@@ -413,10 +430,11 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         per_expert = 2 * layer.intermediate_size * layer.hidden_size * 4
         for idx in _chunks(torch.tensor(slots, dtype=torch.long), per_expert):
             ids = idx.tolist()
-            w13 = torch.stack([torch.cat([layer.staged[s]["w1"], layer.staged[s]["w3"]]) for s in ids])
+            dev = layer.w13_weight.device
+            w13 = _gather_to(dev, [[layer.staged[s]["w1"], layer.staged[s]["w3"]] for s in ids])
             quantize_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, idx, w13)
             del w13
-            w2 = torch.stack([layer.staged[s]["w2"] for s in ids])
+            w2 = _gather_to(dev, [[layer.staged[s]["w2"]] for s in ids])
             quantize_experts_(layer.w2_weight.data, layer.w2_weight_scale.data, idx, w2)
             del w2
         layer.staged.clear()
