@@ -33,7 +33,7 @@ from .quant import (FP8_DTYPE, amax_scale, dequantize, index_copy_, quantize_dyn
 
 # Bound on float32 temporaries while (re)quantizing experts: experts are
 # processed in chunks of at most this many bytes of float32.
-CHUNK_BYTES = 256 << 20
+CHUNK_BYTES = 128 << 20
 
 
 # --------------------------------------------------------------------------

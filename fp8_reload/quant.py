@@ -19,7 +19,8 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tenso
     """x / scale, saturated to the FP8 range. `scale` broadcasts against `x`."""
     if not torch.is_tensor(scale):
         scale = torch.tensor(scale, dtype=torch.float32, device=x.device)
-    q = x.to(torch.float32) / scale.to(torch.float32)
+    # one float32 temporary, divided in place (x itself is never written)
+    q = x.to(torch.float32, copy=True).div_(scale.to(torch.float32))
     return q.clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
@@ -49,7 +50,7 @@ def requantize(q: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor
     re-processed without having changed keeps every byte.
     """
     ratio = old_scale.to(torch.float32) / new_scale.to(torch.float32)
-    return (q.to(torch.float32) * ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q.to(torch.float32).mul_(ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
 def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
