@@ -21,7 +21,7 @@ from .config import MoEConfig
 from .errors import ReloadError
 from .processing import MODES
 from .reload import generate_weight_name_filter, load_model, update_weights_from_disk
-from .state import compare_states, snapshot
+from .state import compare_states, missing_loaders, snapshot
 
 
 @dataclass
@@ -118,20 +118,6 @@ def _step(model, path, flt, before, x, y0, kind, mode, step) -> DemoRow:
         forward = "FAIL " + _short(e, 40)
     return DemoRow(kind, mode, step, outcome, identity, loaders, equals_fresh, forward, ms, mib)
 
-
-def missing_loaders(model) -> list[str]:
-    """Parameters a reload must reach through `param.weight_loader` that lack it."""
-    from .checkpoint import tensor_layout
-
-    params = dict(model.named_parameters())
-    missing = set()
-    for name, _, _ in tensor_layout(model.config, model.checkpoint_kind):
-        pname, _, kw = model.resolve(name)
-        strict = "expert_id" in kw or "loaded_shard_id" in kw
-        p = params.get(pname)
-        if p is None or (strict and not hasattr(p, "weight_loader")):
-            missing.add(pname)
-    return sorted(missing)
 
 
 def format_rows(rows: list[DemoRow]) -> str:

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 
 from .checkpoint import mix_checkpoints, write_checkpoint
 from .config import MoEConfig
-from .demo import default_device, missing_loaders
+from .demo import default_device
+from .state import missing_loaders
 from .errors import ReloadError
 from .kernels import BackendUnavailable, available_backends, run_moe
 from .layers import EXPERT_RE, FP8MoEModel, Fp8Linear, FusedMoE, MoEBlock

@@ -65,3 +65,18 @@ def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[
             elif set(a.attrs.get(name, {})) != set(b.attrs.get(name, {})):
                 diffs.append(f"{name}: loader attributes {sorted(a.attrs[name])} -> {sorted(b.attrs[name])}")
     return diffs
+
+
+def missing_loaders(model) -> list[str]:
+    """Parameters a reload must reach through `param.weight_loader` that lack it."""
+    from .checkpoint import tensor_layout
+
+    params = dict(model.named_parameters())
+    missing = set()
+    for name, _, _ in tensor_layout(model.config, model.checkpoint_kind):
+        pname, _, kw = model.resolve(name)
+        strict = "expert_id" in kw or "loaded_shard_id" in kw
+        p = params.get(pname)
+        if p is None or (strict and not hasattr(p, "weight_loader")):
+            missing.add(pname)
+    return sorted(missing)
