@@ -575,7 +575,6 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
     """Build the model a checkpoint describes on `device` and load it (a fresh load)."""
     mode = get_mode(processing)
     ckpt = Checkpoint(path)
-    stamp = _checkpoint_stamp(ckpt)
     try:
         model = FP8MoEModel(ckpt.config, mode, ckpt.kind, device=device, **moe_kwargs)
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
@@ -606,6 +605,4 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
     report.seconds["total"] = time.perf_counter() - t0
     model.checkpoint_path = ckpt.path
     model.load_report = report
-    # the first reload from this path reuses the index and headers parsed here
-    model.__dict__["_checkpoint_cache"] = (os.path.realpath(path), stamp, ckpt)
     return model
