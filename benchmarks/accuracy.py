@@ -8,10 +8,9 @@ activation quantization: what FP8 activations cost, plus any kernel error.
 
 from __future__ import annotations
 
-from fp8_reload.quant import calc_diff
+import fp8_reload as fr
 
-from .common import (BACKENDS, ON_CUDA, PRESETS, CheckpointSuite, RoutedBatch, checkpoint_key,
-                     requires_backend)
+from .common import BACKENDS, ON_CUDA, PRESETS, CheckpointSuite, RoutedBatch, checkpoint_key, requires_backend
 
 ACCURACY_TOKENS = [512] if ON_CUDA else [64]
 
@@ -25,6 +24,6 @@ class ForwardAccuracy(CheckpointSuite):
         self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
 
     def track_calc_diff(self, paths, preset, backend, tokens):
-        return calc_diff(self.batch.forward(backend), self.batch.reference())
+        return fr.calc_diff(self.batch.forward(backend), self.batch.reference())
 
     track_calc_diff.unit = "calc_diff"

@@ -2,25 +2,35 @@
 upstream's per-forward `repeat_interleave` expansion vs expanded once and cached.
 
 Times only: throughput (TFLOPS) is derived from these times by `fp8-reload report`.
-Backends missing here (triton and deep_gemm without CUDA) are skipped. Optional
-kernel modules are imported in `setup`, so the suite still imports against older
-commits (`fp8-reload regress`).
+Backends missing here (triton and deep_gemm without CUDA) are skipped. Kernel
+functions are looked up in `setup` (`common.require`), so the suite still imports
+against older commits (`fp8-reload regress`).
 """
 
 from __future__ import annotations
 
-from .common import (BACKENDS, PRESETS, TOKENS, CheckpointSuite, RoutedBatch, checkpoint_key,
-                     requires_backend, synchronized)
+from .common import (
+    BACKENDS,
+    PRESETS,
+    TOKENS,
+    CheckpointSuite,
+    RoutedBatch,
+    checkpoint_key,
+    require,
+    requires_backend,
+    synchronized,
+)
 
 _warm: set = set()
-
-
-def _kernels_deepgemm():
-    try:
-        from fp8_reload import kernels_deepgemm
-    except ImportError as e:
-        raise NotImplementedError(f"fp8_reload.kernels_deepgemm is missing: {e}") from e
-    return kernels_deepgemm
+# (current place, place before the package layout change)
+DEEPGEMM_FORWARD = ("fp8_reload.kernels.deep_gemm:moe_forward_deepgemm",
+                    "fp8_reload.kernels_deepgemm:moe_forward_deepgemm")
+BUILD_BLOCK_SCALES = ("fp8_reload.kernels.scales:build_block_scales",
+                      "fp8_reload.kernels_deepgemm:_build_block_scales")
+BLOCK_SCALES = {"cached": ("fp8_reload.kernels.scales:block_scales",
+                           "fp8_reload.kernels_deepgemm:block_scales"),
+                "per-forward": ("fp8_reload.kernels.scales:block_scales_per_forward",
+                                "fp8_reload.kernels_deepgemm:block_scales_per_forward")}
 
 
 @synchronized
@@ -50,12 +60,12 @@ class DeepGemmScaleMode(CheckpointSuite):
 
     def setup(self, paths, preset, scale_mode, tokens):
         requires_backend("deep_gemm")
-        dg = _kernels_deepgemm()
+        forward = require(*DEEPGEMM_FORWARD)
         self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
         b = self.batch
-        pre = dg._build_block_scales(b.layer) if scale_mode == "precomputed" else None
-        self.call = lambda: dg.moe_forward_deepgemm(b.layer, b.x, b.topk_weights, b.topk_ids,
-                                                    scale_mode=scale_mode, precomputed_scales=pre)
+        pre = require(*BUILD_BLOCK_SCALES)(b.layer) if scale_mode == "precomputed" else None
+        self.call = lambda: forward(b.layer, b.x, b.topk_weights, b.topk_ids,
+                                    scale_mode=scale_mode, precomputed_scales=pre)
         if (preset, scale_mode, tokens) not in _warm:
             self.call()
             _warm.add((preset, scale_mode, tokens))
@@ -73,9 +83,8 @@ class BlockScaleExpansion(CheckpointSuite):
     param_names = ["preset", "expansion"]
 
     def setup(self, paths, preset, expansion):
-        dg = _kernels_deepgemm()
+        fn = require(*BLOCK_SCALES[expansion])
         layer = RoutedBatch(paths[checkpoint_key(preset, "fp8")], 1).layer
-        fn = dg.block_scales_per_forward if expansion == "per-forward" else dg.block_scales
         self.call = lambda: fn(layer)
         self.call()  # fills the cache
 

@@ -8,8 +8,7 @@ restores that exact state (Parameter objects and bytes) before every sample, so
 
 from __future__ import annotations
 
-from .common import (KINDS, PRESETS, CheckpointSuite, UnprocessedLayer, checkpoint_key,
-                     synchronized)
+from .common import KINDS, PRESETS, CheckpointSuite, UnprocessedLayer, checkpoint_key, synchronized
 
 # name -> (processing mode, experts loaded since the last processing)
 IMPLS = {

@@ -50,6 +50,21 @@ if __package__ in (None, ""):  # run as a script: the checkout is the code under
 
 import torch
 
+import fp8_reload as fr
+
+if __package__ in (None, ""):
+    from benchmarks.common import require
+else:
+    from .common import require
+
+# (current place, place before the package layout change)
+ENSURE_CHECKPOINT = ("fp8_reload.checkpoint:ensure_checkpoint", "fp8_reload.rebalance:ensure_checkpoint")
+PLACEMENT = ("fp8_reload.expert_parallel:Placement", "fp8_reload.placement:Placement")
+SLOTS_PER_RANK = ("fp8_reload.expert_parallel:default_slots_per_rank",
+                  "fp8_reload.placement:default_slots_per_rank")
+MOVE_EXPERTS = ("fp8_reload.expert_parallel:move_experts", "fp8_reload.placement:move_experts")
+RANK_POOL = ("fp8_reload.expert_parallel:RankPool", "fp8_reload.rebalance:RankPool")
+
 WORLD = 2
 ON_CUDA = (os.environ.get("FP8_RELOAD_BENCH_DEVICE", "cuda") != "cpu"
            and torch.cuda.is_available() and torch.cuda.device_count() >= WORLD)
@@ -64,8 +79,7 @@ _VERIFIED: set = set()
 
 
 def bench_checkpoint() -> Path:
-    from fp8_reload.rebalance import ensure_checkpoint
-
+    ensure_checkpoint = require(*ENSURE_CHECKPOINT)
     preset, _, layers = SPEC.partition(":")
     root = Path(os.environ.get("FP8_RELOAD_BENCH_DIR") or Path(tempfile.gettempdir()) / "fp8-reload-bench")
     path = root / f"rebalance-{preset}-{layers or 'all'}-{KIND}-seed0"
@@ -76,15 +90,11 @@ def rank_pool():
     """The process's pool of ranks at the start placement (built on first use)."""
     global _POOL
     if _POOL is None:
-        from fp8_reload.checkpoint import Checkpoint
-        from fp8_reload.placement import Placement, default_slots_per_rank
-        from fp8_reload.rebalance import RankPool
-
         path = bench_checkpoint()
-        cfg = Checkpoint(path).config
-        start = Placement.round_robin(cfg.moe_layers, cfg.num_experts, WORLD,
-                                      default_slots_per_rank(cfg.num_experts, WORLD))
-        _POOL = RankPool(WORLD, BACKEND, path, start)
+        cfg = fr.Checkpoint(path).config
+        slots = require(*SLOTS_PER_RANK)(cfg.num_experts, WORLD)
+        start = require(*PLACEMENT).round_robin(cfg.moe_layers, cfg.num_experts, WORLD, slots)
+        _POOL = require(*RANK_POOL)(WORLD, BACKEND, path, start)
         atexit.register(_POOL.close)
     return _POOL
 
@@ -146,8 +156,7 @@ class Rebalance:
     timeout = 900
 
     def setup(self, moved, source):
-        from fp8_reload.placement import move_experts
-
+        move_experts = require(*MOVE_EXPERTS)
         if not hasattr(os, "posix_fadvise") and source == "disk-cold":
             raise NotImplementedError("no posix_fadvise: cannot evict the page cache here")
         try:
@@ -213,7 +222,8 @@ def _table(repeat: int) -> list[dict]:
             row = {"experts_moved_per_layer": moved, "source": source, "repeat": repeat,
                    "median_s": med, "min_s": min(times), "max_s": max(times),
                    "rank_median_s": statistics.median(rank_max),
-                   "bytes_per_rank": got, "experts_per_rank": max(r.experts_p2p + r.experts_disk for r in reps),
+                   "bytes_per_rank": got,
+                   "experts_per_rank": max(r.experts_p2p + r.experts_disk for r in reps),
                    "gb_per_s": got / med / 1e9 if med > 0 else 0.0,
                    "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
                    "resident_after_evict": (statistics.median(resident) if resident else None)}
@@ -251,9 +261,7 @@ def main(argv=None) -> int:
         print(bench_checkpoint())
         return 0
     pool = rank_pool()
-    from fp8_reload.checkpoint import Checkpoint
-
-    cfg = Checkpoint(pool.checkpoint).config
+    cfg = fr.Checkpoint(pool.checkpoint).config
     print(f"rebalance benchmark: {WORLD} ranks, {BACKEND} on {', '.join(map(str, pool.devices))}; "
           f"{SPEC} = {len(cfg.moe_layers)} MoE layer(s) x {cfg.num_experts} experts "
           f"(H {cfg.hidden_size}, I {cfg.moe_intermediate_size}), {pool.start.slots_per_rank} "

@@ -23,11 +23,21 @@ import torch
 from safetensors import safe_open
 
 import fp8_reload as fr
-from fp8_reload.checkpoint import Checkpoint
 
-from .common import (DEVICE, FRACTIONS, KINDS, ON_CUDA, PRESETS, CheckpointSuite, checkpoint_key,
-                     device_peak_bytes, fraction_experts, loaded_model, requires_cuda,
-                     synchronized)
+from .common import (
+    DEVICE,
+    FRACTIONS,
+    KINDS,
+    ON_CUDA,
+    PRESETS,
+    CheckpointSuite,
+    checkpoint_key,
+    device_peak_bytes,
+    fraction_experts,
+    loaded_model,
+    requires_cuda,
+    synchronized,
+)
 
 STRATEGIES = {
     "fixed": {},
@@ -117,7 +127,7 @@ class RawReadCopy(CheckpointSuite):
 
     def setup(self, paths, preset, kind, experts, reader):
         path = Path(paths[checkpoint_key(preset, kind)])
-        ckpt = Checkpoint(path)
+        ckpt = fr.Checkpoint(path)
         if experts == "full":
             names = ckpt.names
         else:

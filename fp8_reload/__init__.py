@@ -7,20 +7,31 @@
     report = fr.update_weights_from_disk(model, path, fr.generate_weight_name_filter({1: [0, 3]}))
 """
 
-from .checkpoint import Checkpoint, write_checkpoint
+from . import state
+from .checkpoint import Checkpoint, release_staging, write_checkpoint
 from .config import MoEConfig
-from .errors import (CheckpointError, CheckpointMismatchError, CheckpointNotFoundError,
-                     CommitError, CorruptCheckpointError, FilterMatchedNothingError,
-                     InvalidTensorError, MissingTensorError, ReloadError, RollbackError,
-                     UnreadableCheckpointError, UnsafeCheckpointError, UnsupportedCheckpointError)
-from .kernels import BackendUnavailable, available_backends
+from .errors import (
+                     BackendUnavailable,
+                     CheckpointError,
+                     CheckpointMismatchError,
+                     CheckpointNotFoundError,
+                     CommitError,
+                     CorruptCheckpointError,
+                     FilterMatchedNothingError,
+                     InvalidTensorError,
+                     MissingTensorError,
+                     ReloadError,
+                     RollbackError,
+                     UnreadableCheckpointError,
+                     UnsafeCheckpointError,
+                     UnsupportedCheckpointError,
+)
+from .kernels import available_backends
 from .layers import FP8MoEModel, FusedMoE
 from .processing import MODES
-from .quant import calc_diff
 from .reload import ReloadReport, generate_weight_name_filter, load_model, update_weights_from_disk
-from .staging import release_staging
-from . import state
 from .state import Snapshot, compare_states, snapshot
+from .testing.numeric import calc_diff
 
 __version__ = "0.1.0"
 
@@ -32,4 +43,5 @@ __all__ = [
     "compare_states", "CheckpointNotFoundError", "UnreadableCheckpointError",
     "CorruptCheckpointError", "MissingTensorError", "InvalidTensorError",
     "UnsupportedCheckpointError", "UnsafeCheckpointError", "CommitError", "RollbackError",
+    "release_staging", "state",
 ]

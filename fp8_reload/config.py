@@ -34,7 +34,7 @@ class MoEConfig:
     PRESETS = ("tiny", "small", "v2-lite")
 
     @classmethod
-    def preset(cls, name: str, **overrides: Any) -> "MoEConfig":
+    def preset(cls, name: str, **overrides: Any) -> MoEConfig:
         """Named shapes. `overrides` (e.g. ``num_layers=4``) take a slice of a shape."""
         presets = {
             # CPU tests: loads in well under a second.
@@ -62,6 +62,17 @@ class MoEConfig:
         cfg.validate()
         return cfg
 
+    @classmethod
+    def from_spec(cls, spec: str) -> MoEConfig:
+        """``"v2-lite:4"`` -> the v2-lite preset cut to 4 layers; ``"small"`` -> the preset.
+
+        The form benchmarks, reports and command lines name a model shape in.
+        """
+        name, _, layers = str(spec).partition(":")
+        if layers and not layers.isdigit():
+            raise ValueError(f"bad preset spec {spec!r}: expected PRESET or PRESET:NUM_LAYERS")
+        return cls.preset(name, **({"num_layers": int(layers)} if layers else {}))
+
     def validate(self) -> None:
         for f in ("hidden_size", "num_layers", "num_experts", "moe_intermediate_size",
                   "intermediate_size", "num_heads", "qk_head_dim", "v_head_dim"):
@@ -74,7 +85,7 @@ class MoEConfig:
         if not 1 <= self.top_k <= self.num_experts:
             raise ValueError("top_k must lie in [1, num_experts]")
 
-    def replace(self, **changes: Any) -> "MoEConfig":
+    def replace(self, **changes: Any) -> MoEConfig:
         cfg = dataclasses.replace(self, **changes)
         cfg.validate()
         return cfg
@@ -114,7 +125,7 @@ class MoEConfig:
         }
 
     @classmethod
-    def from_hf_config(cls, hf: dict[str, Any]) -> "MoEConfig":
+    def from_hf_config(cls, hf: dict[str, Any]) -> MoEConfig:
         try:
             cfg = cls(
                 name=hf.get("fp8_reload_preset", "custom"),

@@ -74,3 +74,7 @@ class CommitError(ReloadError):
 class RollbackError(ReloadError):
     """A commit failed and restoring the backup failed too: the model's weights are
     undefined. Only a full reload is accepted until one succeeds."""
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested MoE forward backend cannot run here (no GPU, no deep_gemm, ...)."""

@@ -21,14 +21,15 @@ from __future__ import annotations
 
 import re
 import threading
-from typing import Callable, Iterable, Optional
+from collections.abc import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .config import MoEConfig
 from . import trace
+from .config import MoEConfig
+from .kernels import run_moe
 from .locks import WeightsLock
 
 # sglang's FusedMoeWeightScaleSupported.TENSOR.value
@@ -79,7 +80,7 @@ class Fp8Linear(nn.Module):
         quant_method.create_weights(self, device=device)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor,
-                      loaded_shard_id: Optional[int] = None) -> None:
+                      loaded_shard_id: int | None = None) -> None:
         self.quant_method.load_linear(self, param, loaded_weight, loaded_shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,12 +94,12 @@ class FusedMoE(nn.Module):
     hold it; the default is the identity over `num_experts`. Experts not held
     locally are skipped by the loader, as in sglang's expert-parallel loader.
     A callable `layer_id -> map` gives each layer its own map (placements differ
-    per layer, see `placement.Placement.expert_slots_for`).
+    per layer, see `expert_parallel.Placement.expert_slots_for`).
     """
 
     def __init__(self, cfg: MoEConfig, layer_id: int, quant_method, device=None,
-                 num_local_experts: Optional[int] = None,
-                 expert_slots: Optional[dict[int, list[int]]] = None):
+                 num_local_experts: int | None = None,
+                 expert_slots: dict[int, list[int]] | None = None):
         super().__init__()
         self.layer_id = layer_id
         self.hidden_size = cfg.hidden_size
@@ -113,7 +114,7 @@ class FusedMoE(nn.Module):
         self.loaded_experts: set[int] = set()
         # Bumped by every post-processing: forward caches key on it.
         self.weights_version = 0
-        self.backend: Optional[str] = None
+        self.backend: str | None = None
         quant_method.create_weights(self, device=device)
 
     # ----- loading (sglang's FusedMoE.weight_loader semantics) -----
@@ -159,9 +160,7 @@ class FusedMoE(nn.Module):
 
     # ----- forward -----
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                backend: Optional[str] = None) -> torch.Tensor:
-        from .kernels import run_moe
-
+                backend: str | None = None) -> torch.Tensor:
         return run_moe(self, x, topk_weights, topk_ids, backend=backend or self.backend)
 
 
@@ -212,7 +211,7 @@ class MoEBlock(nn.Module):
             MLP(cfg.hidden_size, cfg.shared_intermediate_size, make_linear_method, device)
             if cfg.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         topk_weights, topk_ids = self.gate(x)
         y = self.experts(x, topk_weights, topk_ids, backend=backend).float()
         if self.shared_experts is not None:
@@ -260,7 +259,7 @@ class DecoderLayer(nn.Module):
         else:
             self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size, make_linear_method, device)
 
-    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         h = x + self.self_attn(self.input_layernorm(x))
         normed = self.post_attention_layernorm(h)
         return h + (self.mlp(normed, backend=backend) if isinstance(self.mlp, MoEBlock)
@@ -276,7 +275,7 @@ class DecoderStack(nn.Module):
             for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, device)
 
-    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         for layer in self.layers:
             x = layer(x, backend=backend)
         return self.norm(x)
@@ -306,12 +305,12 @@ class FP8MoEModel(nn.Module):
         self.reload_lock = threading.RLock()
         self.weights_lock = WeightsLock()
 
-    def forward(self, x: torch.Tensor, backend: Optional[str] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
         """`backend` picks the MoE forward for this call; default: `set_backend`'s choice."""
         with self.weights_lock.read(), trace.range("fp8_reload/forward", payload=x.shape[0]):
             return self.model(x, backend=backend)
 
-    def set_backend(self, backend: Optional[str]) -> None:
+    def set_backend(self, backend: str | None) -> None:
         """Select the MoE forward backend for every layer (None: the torch reference)."""
         for _, layer in self.moe_layers():
             layer.backend = backend

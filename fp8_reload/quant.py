@@ -53,35 +53,9 @@ def requantize(q: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor
     return q.to(torch.float32).mul_(ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
-def per_token_group_quant(x: torch.Tensor, group: int = 128) -> tuple[torch.Tensor, torch.Tensor]:
-    """1 x `group` activation quantization (DeepGEMM's input format).
-
-    Returns (fp8 [M, K], float32 scales [M, K // group]). K must be a multiple of `group`.
-    """
-    m, k = x.shape
-    if k % group:
-        raise ValueError(f"K={k} is not a multiple of the group size {group}")
-    xg = x.to(torch.float32).view(m, k // group, group)
-    scale = (xg.abs().amax(dim=-1) / FP8_MAX).clamp_(min=MIN_SCALE)
-    q = (xg / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    return q.view(m, k), scale
-
-
 def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """`Tensor.index_copy_` that also works for FP8 (copied as raw bytes)."""
     if dst.dtype == FP8_DTYPE:
         dst, src = dst.view(torch.uint8), src.view(torch.uint8)
     dst.index_copy_(dim, index, src)
 
-
-def calc_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """DeepGEMM's accuracy metric: 1 - 2<x,y> / (|x|^2 + |y|^2), in float64.
-
-    0 for identical tensors, ~1e-3 for one FP8 x FP8 GEMM against its exact product.
-    """
-    x = x.to(torch.float64)
-    y = y.to(torch.float64)
-    denom = (x * x + y * y).sum()
-    if denom == 0:
-        return 0.0
-    return float(1 - 2 * (x * y).sum() / denom)

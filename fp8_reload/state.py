@@ -12,10 +12,13 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from .checkpoint.layout import tensor_layout
+
 LOADER_ATTRS = ("weight_loader", "quant_method", "quantize_on_load")
 
 
-def _bytes(t: torch.Tensor) -> torch.Tensor:
+def raw_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's bytes as a flat uint8 tensor (what "bit for bit" compares)."""
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
@@ -38,7 +41,7 @@ def snapshot(model: nn.Module) -> Snapshot:
 
 
 def bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bytes(a), _bytes(b))
+    return a.shape == b.shape and a.dtype == b.dtype and torch.equal(raw_bytes(a), raw_bytes(b))
 
 
 def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[str]:
@@ -55,8 +58,8 @@ def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[
         x, y = a.tensors[name], b.tensors[name]
         if x.shape != y.shape or x.dtype != y.dtype:
             diffs.append(f"{name}: {tuple(x.shape)} {x.dtype} vs {tuple(y.shape)} {y.dtype}")
-        elif not torch.equal(_bytes(x), _bytes(y)):
-            n = int((_bytes(x) != _bytes(y)).sum())
+        elif not torch.equal(raw_bytes(x), raw_bytes(y)):
+            n = int((raw_bytes(x) != raw_bytes(y)).sum())
             diffs.append(f"{name}: {n} of {x.numel() * x.element_size()} bytes differ")
     if identity:
         for name in sorted(set(a.ids) | set(b.ids)):
@@ -69,8 +72,6 @@ def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[
 
 def missing_loaders(model) -> list[str]:
     """Parameters a reload must reach through `param.weight_loader` that lack it."""
-    from .checkpoint import tensor_layout
-
     params = dict(model.named_parameters())
     missing = set()
     for name, _, _ in tensor_layout(model.config, model.checkpoint_kind):

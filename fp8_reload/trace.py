@@ -39,8 +39,8 @@ import functools
 import os
 import threading
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional, Union
 
 import torch
 from torch.autograd import profiler as _autograd_profiler
@@ -85,13 +85,15 @@ class RangeInfo:
 
 # Every range the suite itself emits, in the order a reload / forward nests them.
 RANGES: dict[str, RangeInfo] = {
-    "fp8_reload/profile": RangeInfo("profile", "", "the profiled window (`fp8-reload profile`; nsys capture range)"),
+    "fp8_reload/profile": RangeInfo("profile", "", "the profiled window (`fp8-reload profile`; "
+                                    "nsys capture range)"),
     "fp8_reload/scenario/reload-full": RangeInfo("profile", "", "one full update_weights_from_disk"),
     "fp8_reload/scenario/reload-filtered": RangeInfo("profile", "", "one EPLB-style filtered reload"),
     "fp8_reload/scenario/forward": RangeInfo("profile", "tokens", "one model forward"),
     "fp8_reload/load_model": RangeInfo("reload", "", "load_model: a fresh load"),
     "fp8_reload/reload": RangeInfo("reload", "", "update_weights_from_disk"),
-    "fp8_reload/plan": RangeInfo("reload", "", "phase: open the checkpoint, resolve the filter against the index"),
+    "fp8_reload/plan": RangeInfo("reload", "", "phase: open the checkpoint, resolve the filter "
+                                 "against the index"),
     "fp8_reload/index_read": RangeInfo("io", "", "config.json + model.safetensors.index.json"),
     "fp8_reload/shard_header": RangeInfo("io", "", "parse one shard's safetensors header"),
     "fp8_reload/read": RangeInfo("reload", "", "phase: read + validate every selected tensor to host memory"),
@@ -166,7 +168,7 @@ def _nvtx_domain():
 
 
 _domain = _nvtx_domain()
-_recorder: Optional[list] = None  # (name, payload) of every range entered while recording
+_recorder: list | None = None  # (name, payload) of every range entered while recording
 _enabled = True
 _quiet = True  # enabled and not recording: `range` may hand out the cached static range
 
@@ -196,7 +198,7 @@ class _Spec:
 
     __slots__ = ("name", "category", "color", "_attrs", "_payload_attrs")
 
-    def __init__(self, name: str, category: Optional[str], color):
+    def __init__(self, name: str, category: str | None, color):
         if not name.startswith(PREFIX):
             raise ValueError(f"range names start with {PREFIX!r}, got {name!r}")
         self.name = name
@@ -311,7 +313,7 @@ _specs: dict[tuple, _Spec] = {}
 _by_name: dict[str, _Spec] = {}  # the default-category, default-color specs, for the fast path
 
 
-def _spec(name: str, category: Optional[str], color) -> _Spec:
+def _spec(name: str, category: str | None, color) -> _Spec:
     key = (name, category, color)
     spec = _specs.get(key)
     if spec is None:
@@ -321,8 +323,8 @@ def _spec(name: str, category: Optional[str], color) -> _Spec:
     return spec
 
 
-def range(name: str, category: Optional[str] = None, color: Union[int, str, None] = None,
-          payload: Union[int, float, None] = None):  # noqa: A001  (shadows builtins.range on purpose)
+def range(name: str, category: str | None = None, color: int | str | None = None,
+          payload: int | float | None = None):  # noqa: A001  (shadows builtins.range on purpose)
     """A context manager / decorator emitting `name` to NVTX and torch.profiler.
 
     `category` defaults to the one `RANGES` lists (``other`` for unlisted
@@ -357,7 +359,7 @@ class recording:
     """
 
     def __init__(self):
-        self.events: list[tuple[str, Optional[float]]] = []
+        self.events: list[tuple[str, float | None]] = []
 
     def __enter__(self):
         global _recorder, _quiet

@@ -1,6 +1,9 @@
 """Device-memory peak of full reloads (both kinds) and MoE processing time, v2-lite slice."""
-import tempfile, time
+import tempfile
+import time
+
 import torch
+
 import fp8_reload as fr
 from fp8_reload.processing import CHUNK_BYTES
 
@@ -10,10 +13,14 @@ for kind in ("fp8", "bf16"):
     path = fr.write_checkpoint(f"{root}/{kind}", cfg, kind=kind, progress=False)
     model = fr.load_model(path, device="cuda")
     fr.update_weights_from_disk(model, path)  # warm
-    torch.cuda.synchronize(); torch.cuda.reset_peak_memory_stats()
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    t0 = time.perf_counter(); rep = fr.update_weights_from_disk(model, path); t = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    rep = fr.update_weights_from_disk(model, path)
+    t = time.perf_counter() - t0
     peak = (torch.cuda.max_memory_allocated() - base) / 2**20
     print(f"{kind}: full reload {t*1e3:.1f} ms, device peak above model {peak:.1f} MiB "
           f"(chunk {CHUNK_BYTES >> 20} MiB), process {rep.seconds['process']*1e3:.1f} ms")
-    del model; torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()

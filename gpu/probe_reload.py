@@ -63,7 +63,7 @@ def main():
     print(f"per-tensor H2D pageable {total / t_per / 1e9:.1f} GB/s")
     t_raw, _ = timed(lambda: [t.to(dev) for _, t in ck.read(ck.names)], 2)
     print(f"raw bound (read + copy, per tensor): {t_raw:.3f}s")
-    del gpu, big, pinned, tensors
+    gpu = big = pinned = tensors = None  # free the buffers before loading the model
 
     model = fr.load_model(path, device="cuda")
     print("fresh load:", model.load_report.summary())
@@ -73,12 +73,13 @@ def main():
                       ("1 expert/layer, scan_all", dict(weight_name_filter=flt, scan_all=True)),
                       ("1 expert/layer, upstream-style", dict(weight_name_filter=flt, scan_all=True,
                                                               postprocess_all=True))]:
-        t, rep = timed(lambda: fr.update_weights_from_disk(model, path, **kw), 2)
+        t, rep = timed(lambda kw=kw: fr.update_weights_from_disk(model, path, **kw), 2)
         print(f"{label:32s} {t * 1e3:8.1f} ms  {rep.summary()}")
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     fr.update_weights_from_disk(model, path)
-    print(f"full reload device peak above model: {(torch.cuda.max_memory_allocated() - base) / 2**20:.1f} MiB")
+    peak = (torch.cuda.max_memory_allocated() - base) / 2**20
+    print(f"full reload device peak above model: {peak:.1f} MiB")
 
 
 if __name__ == "__main__":

@@ -24,10 +24,10 @@ import pickle
 import shutil
 import struct
 import sys
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -166,7 +166,7 @@ class BadCase:
     error: type
     build: Callable  # (good, work, kind, cfg) -> (path, mentions)
     kinds: tuple[str, ...] = ("fp8", "bf16")
-    layer_experts: Optional[dict] = None  # reload filter; None: full reload
+    layer_experts: dict | None = None  # reload filter; None: full reload
     bad_alone: bool = True  # broken on its own (a fresh load_model fails too)
     modes: tuple[str, ...] = ("fixed", "upstream")
     plants_pickle: bool = False

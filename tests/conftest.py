@@ -25,6 +25,7 @@ def device(request) -> str:
         pytest.skip("no CUDA device here (the GPU run covers this case)")
     return request.param
 
+
 # Without CUDA, Triton kernels run only in Triton's interpreter, which must be
 # chosen before anything imports triton (tests/test_kernels.py relies on it).
 if not torch.cuda.is_available():

@@ -19,7 +19,6 @@ import math
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -227,7 +226,7 @@ def test_asv_quick_run_of_the_whole_suite(tmp_path):
     sha = _git_head()
     if sha is None:
         pytest.skip("not a git checkout: asv needs a commit hash")
-    from fp8_reload.regress import asv_run, ensure_machine
+    from fp8_reload.tools.regress import asv_run, ensure_machine
 
     env = dict(os.environ, HOME=str(tmp_path), **ENV)
     ensure_machine("ci", env=env)

@@ -1,7 +1,7 @@
 """The main job: the demo tells the story and its verdict is honest."""
 
-from fp8_reload.cli import main
-from fp8_reload.demo import run_demo, verdict
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.demo import run_demo, verdict
 
 
 def test_demo_shows_upstream_broken_and_fixed_clean(capsys):

@@ -22,7 +22,6 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Optional
 
 import pytest
 import torch
@@ -49,7 +48,7 @@ class Hang(KeyboardInterrupt):
 
 
 @contextmanager
-def time_limit(seconds: Optional[float] = None):
+def time_limit(seconds: float | None = None):
     seconds = TIME_LIMIT if seconds is None else seconds
 
     def on_alarm(signum, frame):
@@ -268,8 +267,9 @@ def test_mutated_real_shard_end_to_end(good, model_and_state, mutations, which):
 @st.composite
 def index_files(draw, real: dict) -> bytes:
     shards = sorted(set(real.values()))
-    nasty = ["../ckpt/" + shards[0], "/etc/passwd", "pytorch_model.bin", "model.gguf", "", "x\x00.safetensors",
-             "missing.safetensors", "sub/model.safetensors", shards[0].upper(), "model.pt"]
+    nasty = ["../ckpt/" + shards[0], "/etc/passwd", "pytorch_model.bin", "model.gguf", "",
+             "x\x00.safetensors", "missing.safetensors", "sub/model.safetensors", shards[0].upper(),
+             "model.pt"]
     style = draw(st.sampled_from(["perturbed", "perturbed", "random", "junk", "bytes"]))
     if style == "bytes":
         return draw(st.binary(max_size=256))

@@ -10,10 +10,13 @@ import pytest
 import torch
 
 import fp8_reload as fr
-from fp8_reload import gate, kernels
-from fp8_reload import reload as reload_mod
-from fp8_reload.cli import main
+from fp8_reload import kernels
+from fp8_reload.kernels.bounds import BoundsError
 from fp8_reload.processing import FixedFp8LinearMethod
+from fp8_reload.reload import transaction
+from fp8_reload.tools import gate
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.gate import run as gate_run
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +114,7 @@ def test_gate_is_deterministic(workdir):
 # ---------------------------------------------------------------- planted faults
 
 def test_wrong_scale_written_by_a_reload_fails_fresh_state(workdir, monkeypatch):
-    real = gate.update_weights_from_disk
+    real = gate_run.update_weights_from_disk
 
     def buggy(model, path, flt=None, **kw):
         report = real(model, path, flt, **kw)
@@ -120,7 +123,7 @@ def test_wrong_scale_written_by_a_reload_fails_fresh_state(workdir, monkeypatch)
             model.model.layers[layer].mlp.experts.w13_weight_scale.data[experts[0]] *= 2
         return report
 
-    monkeypatch.setattr(gate, "update_weights_from_disk", buggy)
+    monkeypatch.setattr(gate_run, "update_weights_from_disk", buggy)
     r = run(workdir, kinds="fp8")
     f = failed(r)
     assert not r.passed
@@ -171,7 +174,7 @@ def _caching_moe(layer, x, topk_weights, topk_ids):
 def test_stale_kernel_cache_fails_fresh_forward(workdir, monkeypatch, invalidated):
     monkeypatch.setitem(kernels.BACKENDS, "cached", _caching_moe)
     if not invalidated:
-        monkeypatch.setattr(reload_mod, "_invalidate_caches", lambda model: None)
+        monkeypatch.setattr(transaction, "clear_kernel_caches", lambda model: None)
     r = run(workdir, kinds="fp8", backends="cached", bounds=bounds_with("cached"))
     if invalidated:  # the control: the same backend passes when reload clears its cache
         assert r.passed, gate.format_report(r)
@@ -204,7 +207,7 @@ def test_transposed_square_weight_fails_fresh_state(workdir, monkeypatch):
 
 
 def test_loader_writing_the_wrong_slot_fails_untouched(workdir, monkeypatch):
-    real = gate.update_weights_from_disk
+    real = gate_run.update_weights_from_disk
 
     def off_by_one(model, path, flt=None, **kw):
         if flt is None:
@@ -218,7 +221,7 @@ def test_loader_writing_the_wrong_slot_fails_untouched(workdir, monkeypatch):
             for m in moes:
                 m.expert_slots = None
 
-    monkeypatch.setattr(gate, "update_weights_from_disk", off_by_one)
+    monkeypatch.setattr(gate_run, "update_weights_from_disk", off_by_one)
     r = run(workdir, kinds="fp8")
     f = failed(r)
     first = FILTERED[0]  # one expert L1:3 <- s0 on a model holding s1: slot 4 takes it
@@ -228,7 +231,7 @@ def test_loader_writing_the_wrong_slot_fails_untouched(workdir, monkeypatch):
 
 
 def test_replaced_parameter_fails_identity_only(workdir, monkeypatch):
-    real = gate.update_weights_from_disk
+    real = gate_run.update_weights_from_disk
 
     def replaces(model, path, flt=None, **kw):
         report = real(model, path, flt, **kw)
@@ -239,7 +242,7 @@ def test_replaced_parameter_fails_identity_only(workdir, monkeypatch):
         moe.w2_weight_scale = new
         return report
 
-    monkeypatch.setattr(gate, "update_weights_from_disk", replaces)
+    monkeypatch.setattr(gate_run, "update_weights_from_disk", replaces)
     r = run(workdir, kinds="fp8")
     f = failed(r)
     assert f == {"identity": list(range(1, len(SCRIPT) + 1))}  # same bytes: only identity
@@ -282,8 +285,10 @@ def test_versioned_bounds_cover_every_backend_and_kind():
 def test_bad_bounds_files_are_refused(tmp_path, text, match):
     p = tmp_path / "bounds.toml"
     p.write_text(text)
-    with pytest.raises(gate.GateError, match=match):
+    with pytest.raises(BoundsError, match=match):
         gate.load_bounds(p)
+    with pytest.raises(gate.GateError, match=match):  # what the gate (and its exit 2) reports
+        gate.run_gate(bounds=p, workdir=tmp_path)
 
 
 def test_missing_bounds_entry_is_refused_before_any_work(tmp_path, capsys):

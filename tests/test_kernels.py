@@ -15,17 +15,19 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8_reload as fr
-from fp8_reload import kernels, reload as reload_mod
-from fp8_reload.kernels import (CROSS_SCHEME_BOUND, MOE_LAYER_BOUND, SAME_SCHEME_BOUND,
-                                moe_forward_torch)
-from fp8_reload.quant import calc_diff, per_token_group_quant, quantize_static
-from fp8_reload.routing import contiguous_rows, masked_rows
+from fp8_reload import kernels
+from fp8_reload.kernels import CROSS_SCHEME_BOUND, MOE_LAYER_BOUND, SAME_SCHEME_BOUND, moe_forward_torch
+from fp8_reload.kernels.reference import per_token_group_quant
+from fp8_reload.kernels.routing import contiguous_rows, masked_rows
+from fp8_reload.quant import quantize_static
+from fp8_reload.testing import calc_diff
 
 from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor
 
 triton = pytest.importorskip("triton", reason="triton not installed (pip install triton)")
-kt = pytest.importorskip("fp8_reload.kernels_triton")
-from fp8_reload import kernels_deepgemm as kd  # noqa: E402
+kt = pytest.importorskip("fp8_reload.kernels.triton")
+from fp8_reload.kernels import deep_gemm as kd  # noqa: E402
+from fp8_reload.kernels import scales  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 KINDS = ["fp8", "bf16"]
@@ -196,12 +198,12 @@ def test_scale_modes_give_identical_outputs(ckpts128):
     cached = kd.moe_forward_deepgemm(layer, x, w, ids, gemm=EMU)
     per_fwd = kd.moe_forward_deepgemm(layer, x, w, ids, scale_mode="per-forward", gemm=EMU)
     pre = kd.moe_forward_deepgemm(layer, x, w, ids, scale_mode="precomputed", gemm=EMU,
-                                  precomputed_scales=kd.block_scales(layer))
+                                  precomputed_scales=scales.block_scales(layer))
     assert torch.equal(cached, per_fwd) and torch.equal(cached, pre)
-    w13_bs, w2_bs = kd.block_scales(layer)
+    w13_bs, w2_bs = scales.block_scales(layer)
     e, i2, h = layer.w13_weight.shape
     assert w13_bs.shape == (e, i2 // 128, h // 128) and w13_bs.is_contiguous()
-    assert torch.equal(w13_bs, kd.block_scales_per_forward(layer)[0])
+    assert torch.equal(w13_bs, scales.block_scales_per_forward(layer)[0])
     assert torch.equal(w13_bs[:, 0, 0], layer.w13_weight_scale[:, 0])
 
 
@@ -237,7 +239,7 @@ def test_skewed_gate_up_scales_come_out_right_and_a_misread_is_caught(skewed_ckp
     w13_s, w2_s, a13, a2 = kernels.moe_kernel_scales(layer)
     bad_triton = kt.fused_moe(x, layer.w13_weight, layer.w2_weight, misread, w2_s, a13, a2, w, ids)
     e, n13, k13 = layer.w13_weight.shape
-    bad_bs = (kd.expand_block_scales(misread, n13, k13), kd.block_scales(layer)[1])
+    bad_bs = (scales.expand_block_scales(misread, n13, k13), scales.block_scales(layer)[1])
     bad_dg = kd.moe_forward_deepgemm(layer, x, w, ids, scale_mode="precomputed",
                                      precomputed_scales=bad_bs, gemm=EMU)
     for y in (bad_triton, bad_dg):
@@ -306,7 +308,7 @@ def test_layer_cache_keys_on_weights_version_and_reload_clears_it(ckpts128):
     layer.weights_version += 1
     assert kernels.layer_cache(layer, "x", build) == 2
     assert [k[:2] for k in layer.kernel_cache if k[0] == "x"] == [("x", layer.weights_version)]
-    reload_mod._invalidate_caches(model)
+    kernels.clear_kernel_caches(model)
     assert layer.kernel_cache == {}
     assert kernels.cached_kernel_scales(layer)[0].is_contiguous()
 
@@ -333,9 +335,7 @@ def test_emulated_gemm_rejects_layouts_deep_gemm_would_reject():
 
 def test_gpu_backends_are_registered_or_say_why():
     names = kernels.available_backends()
-    from fp8_reload.kernels_gpu import GPU_BACKENDS
-
-    for name in GPU_BACKENDS:
+    for name in kernels.GPU_BACKENDS:
         if name in names:
             continue
         reason = kernels.UNAVAILABLE[name]
@@ -352,7 +352,7 @@ def test_gpu_backends_are_registered_or_say_why():
 # --------------------------------------------------------------------------
 
 def test_bench_pipeline_writes_tables(cfg128, tmp_path):
-    from fp8_reload import bench_kernels as bk
+    from fp8_reload.tools import bench_kernels as bk
 
     bench = bk.Bench(cfg=cfg128, device=DEVICE, gemm=EMU, iters=1)
     cases = bk.all_cases(tokens=(24,), backends=("torch", "deep_gemm", "deep_gemm_masked"),
@@ -374,13 +374,13 @@ def test_bench_pipeline_writes_tables(cfg128, tmp_path):
 
 
 def test_synthetic_layer_matches_the_checkpoint_layout(cfg128):
-    from fp8_reload import bench_kernels as bk
+    from fp8_reload.testing import routed_tokens, synthetic_moe_layer
 
     for kind in KINDS:
-        layer = bk.synthetic_moe_layer(cfg128, DEVICE, seed=0, kind=kind)
+        layer = synthetic_moe_layer(cfg128, DEVICE, seed=0, kind=kind)
         s = layer.w13_weight_scale
         assert s.shape == (cfg128.num_experts, 2) and torch.equal(s[:, 0], s[:, 1])
         assert (layer.w13_input_scale is None) == (kind == "bf16")
-        x, w, ids = bk.routed_tokens(cfg128, 16, DEVICE)
+        x, w, ids = routed_tokens(cfg128, 16, DEVICE)
         ref = moe_forward_torch(layer, x, w, ids, quantize_activations=False)
         assert calc_diff(moe_forward_torch(layer, x, w, ids), ref) < MOE_LAYER_BOUND

@@ -17,9 +17,14 @@ if not torch.cuda.is_available():
 
 import fp8_reload as fr  # noqa: E402
 from fp8_reload import kernels  # noqa: E402
-from fp8_reload.kernels import (CROSS_SCHEME_BOUND, GEMM_BOUND, MOE_LAYER_BOUND,  # noqa: E402
-                                SAME_SCHEME_BOUND, moe_forward_torch)
-from fp8_reload.quant import calc_diff  # noqa: E402
+from fp8_reload.kernels import (  # noqa: E402
+    CROSS_SCHEME_BOUND,
+    GEMM_BOUND,
+    MOE_LAYER_BOUND,
+    SAME_SCHEME_BOUND,
+    moe_forward_torch,
+)
+from fp8_reload.testing import calc_diff  # noqa: E402
 
 from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor  # noqa: E402
 
@@ -75,11 +80,12 @@ def run_all(layer, x, w, ids, names):
 
 def test_deep_gemm_single_grouped_gemm_within_fp8_bound():
     need("deep_gemm")
-    from fp8_reload.bench_kernels import gemm_reference_diff
-    from fp8_reload.kernels_deepgemm import EmulatedGroupedGemm, deep_gemm_lib, expand_block_scales
-    from fp8_reload.kernels_triton import group_quant
+    from fp8_reload.kernels.deep_gemm import EmulatedGroupedGemm, deep_gemm_lib
+    from fp8_reload.kernels.routing import contiguous_rows
+    from fp8_reload.kernels.scales import expand_block_scales
+    from fp8_reload.kernels.triton import group_quant
     from fp8_reload.quant import FP8_DTYPE, FP8_MAX
-    from fp8_reload.routing import contiguous_rows
+    from fp8_reload.testing.workloads import gemm_reference_diff
 
     lib = deep_gemm_lib()
     groups, per, n, k = 16, 128, 512, 512
@@ -122,7 +128,7 @@ def test_each_backend_within_bound_and_backends_agree(ckpts, kind):
     if "deep_gemm" in ys:
         assert calc_diff(ys["deep_gemm"], ys["triton"]) < CROSS_SCHEME_BOUND
         assert calc_diff(ys["deep_gemm"], ys["deep_gemm_masked"]) < SAME_SCHEME_BOUND
-        from fp8_reload.kernels_deepgemm import EmulatedGroupedGemm, moe_forward_deepgemm
+        from fp8_reload.kernels.deep_gemm import EmulatedGroupedGemm, moe_forward_deepgemm
 
         emulated = moe_forward_deepgemm(layer, x, w, ids, gemm=EmulatedGroupedGemm())
         assert calc_diff(ys["deep_gemm"], emulated) < SAME_SCHEME_BOUND
@@ -179,14 +185,14 @@ def test_stale_block_scales_would_be_a_wrong_answer(ckpts, tmp_path):
 def test_forward_replays_in_a_cuda_graph(ckpts):
     """No host synchronization on the GPU paths: decode-sized MoE layers run in CUDA graphs."""
     need("triton")
-    from fp8_reload.bench_kernels import capture_graph
+    from fp8_reload.testing import capture_graph
 
     model = load(ckpts["fp8", 0])
     layer = moe_layer(model)
     x, w, ids = routed(model)
     for n in [n for n in BACKENDS[1:] if n in AVAILABLE]:
         eager = kernels.run_moe(layer, x, w, ids, backend=n)
-        graph, out = capture_graph(lambda: kernels.run_moe(layer, x, w, ids, backend=n))
+        graph, out = capture_graph(lambda n=n: kernels.run_moe(layer, x, w, ids, backend=n))
         out.zero_()
         graph.replay()
         torch.cuda.synchronize()
@@ -230,7 +236,7 @@ def test_skewed_gate_up_scales_come_out_right_on_every_backend(skewed):
     for n, y in run_all(layer, x, w, ids, names).items():
         assert calc_diff(y, ref) < MOE_LAYER_BOUND, n
 
-    from fp8_reload.kernels_triton import fused_moe
+    from fp8_reload.kernels.triton import fused_moe
 
     s13 = layer.w13_weight_scale.data
     misread = s13.reshape(-1)[: s13.shape[0]].contiguous()  # [E, 2] read as [E]
@@ -238,10 +244,11 @@ def test_skewed_gate_up_scales_come_out_right_on_every_backend(skewed):
     bad = fused_moe(x, layer.w13_weight, layer.w2_weight, misread, w2_s, a13, a2, w, ids)
     assert calc_diff(bad, ref) > 10 * MOE_LAYER_BOUND
     if "deep_gemm" in names:
-        from fp8_reload import kernels_deepgemm as kd
+        from fp8_reload.kernels import deep_gemm as kd
+        from fp8_reload.kernels import scales
 
         e, n13, k13 = layer.w13_weight.shape
-        bad_bs = (kd.expand_block_scales(misread, n13, k13), kd.block_scales(layer)[1])
+        bad_bs = (scales.expand_block_scales(misread, n13, k13), scales.block_scales(layer)[1])
         bad = kd.moe_forward_deepgemm(layer, x, w, ids, scale_mode="precomputed",
                                       precomputed_scales=bad_bs)
         assert calc_diff(bad, ref) > 10 * MOE_LAYER_BOUND

@@ -9,9 +9,17 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import fp8_reload as fr
-from fp8_reload.placement import (Placement, balance_placement, default_slots_per_rank, keep_slots,
-                                  move_experts, pack, replicate, synthetic_load)
-from fp8_reload.rebalance import load_rank_model, moe_layer_map, slot_tensors
+from fp8_reload.expert_parallel import load_rank_model, moe_layer_map, slot_tensors
+from fp8_reload.expert_parallel.placement import (
+    Placement,
+    balance_placement,
+    default_slots_per_rank,
+    keep_slots,
+    move_experts,
+    pack,
+    replicate,
+    synthetic_load,
+)
 
 
 def test_round_robin_layout():

@@ -14,11 +14,23 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from fp8_reload import cli
 from fp8_reload.checkpoint import Checkpoint
-from fp8_reload.profile import (SCENARIOS, Range, Work, Workload, _innermost, _nest, analyze,
-                                load_chrome_trace, load_events, load_nsys_sqlite, nsys_commands,
-                                worker_command)
+from fp8_reload.tools import cli
+from fp8_reload.tools.profile import (
+    SCENARIOS,
+    Range,
+    Work,
+    Workload,
+    analyze,
+    innermost,
+    load_chrome_trace,
+    load_events,
+    load_nsys_sqlite,
+    nest,
+    nsys_commands,
+    short_kernel_name,
+    worker_command,
+)
 from tests.test_trace import REPO, build_nvtx_recorder, nvtx_env, parse_nvtx_log
 
 NEEDED = ("fp8_reload/load_weights", "fp8_reload/process_weights_after_loading", "fp8_reload/forward")
@@ -100,18 +112,19 @@ def test_a_failing_nsys_falls_back_to_torch_profiler(tmp_path, ckpts, monkeypatc
 
 
 def test_nsys_command_lines():
-    cmds = nsys_commands("nsys", Path("/o"), ["python", "-m", "fp8_reload.profile", "--worker"])
+    cmds = nsys_commands("nsys", Path("/o"), ["python", "-m", "fp8_reload.tools.profile", "--worker"])
     p = " ".join(cmds["profile"])
     assert p.startswith("nsys profile -t cuda,nvtx,osrt --capture-range=nvtx "
                         "--nvtx-capture=fp8_reload/profile@fp8_reload --capture-range-end=stop")
-    assert p.endswith("-o /o/trace python -m fp8_reload.profile --worker")
-    assert " ".join(cmds["export"]) == "nsys export --type sqlite --force-overwrite true -o /o/trace.sqlite /o/trace.nsys-rep"
+    assert p.endswith("-o /o/trace python -m fp8_reload.tools.profile --worker")
+    assert " ".join(cmds["export"]) == ("nsys export --type sqlite --force-overwrite true "
+                                        "-o /o/trace.sqlite /o/trace.nsys-rep")
     assert cmds["stats"][:2] == ["nsys", "stats"] and "nvtx_sum" in cmds["stats"]
 
 
-def test_readme_shows_the_nsys_commands_the_profile_command_runs():
-    readme = (REPO / "README.md").read_text()
-    block = readme.split("### Nsight Systems")[1].split("```bash")[1].split("```")[0]
+def test_docs_show_the_nsys_commands_the_profile_command_runs():
+    doc = (REPO / "docs" / "profiling.md").read_text()
+    block = doc.split("## Nsight Systems")[1].split("```bash")[1].split("```")[0]
     lines = " ".join(block.replace("\\\n", " ").split("\n"))
     documented = [" ".join(c.split("#")[0].split()) for c in lines.split("nsys ")[1:]]
     wl = Workload(preset="small", device="cuda", checkpoint="prof/ckpt-small-4l-fp8")
@@ -125,7 +138,7 @@ def test_worker_under_an_nvtx_tool_emits_the_profiled_window(tmp_path, ckpts):
     """What nsys / ncu launch: the worker, with an NVTX tool injected."""
     lib = build_nvtx_recorder(tmp_path)
     log = tmp_path / "nvtx.log"
-    res = subprocess.run([sys.executable, "-m", "fp8_reload.profile", "--worker", "--scenario", "all",
+    res = subprocess.run([sys.executable, "-m", "fp8_reload.tools.profile", "--worker", "--scenario", "all",
                           "--preset", "tiny", "--device", "cpu", "--repeat", "2", "--tokens", "8",
                           "--checkpoint", str(ckpts[("fp8", 0)])],
                          env=nvtx_env(lib, log), cwd=REPO, capture_output=True, text=True, timeout=300)
@@ -235,7 +248,8 @@ def build_nsys_db(path: Path, enum_table: bool = False) -> Path:
         (2000, 2010, 99, GPID, 14, 15),  # no launching call in the trace
     ])
     db.execute("INSERT INTO CUPTI_ACTIVITY_KIND_MEMCPY (start, end, deviceId, contextId, streamId, "
-               "correlationId, globalPid, bytes, copyKind) VALUES (170, 190, 0, 1, 7, 3, ?, 4096, 1)", (GPID,))
+               "correlationId, globalPid, bytes, copyKind) VALUES (170, 190, 0, 1, 7, 3, ?, 4096, 1)",
+               (GPID,))
     db.commit()
     db.close()
     return path
@@ -262,7 +276,8 @@ def test_nsys_sqlite_ranges_payloads_and_kernel_attribution(tmp_path, enum_table
     assert f("fp8_reload/gemm_w13").kernel_ms == pytest.approx(630e-6)  # GPU time, not range time
     assert f("fp8_reload/gemm_w2").kernels == 1
     assert f("fp8_reload/moe").kernels == 2
-    assert f("fp8_reload/forward").kernels == 2 and f("fp8_reload/forward").copy_mib == pytest.approx(4096 / 2**20)
+    assert f("fp8_reload/forward").kernels == 2
+    assert f("fp8_reload/forward").copy_mib == pytest.approx(4096 / 2**20)
     assert f("fp8_reload/moe").copy_mib == 0
     assert s.loc[("all", "fp8_reload/profile")].kernels == 3  # + late_kernel outside the scenario
     assert f("fp8_reload/forward").payload_total == 64 and f("fp8_reload/forward").payload_unit == "tokens"
@@ -285,7 +300,8 @@ def test_nsys_sqlite_without_cuda_tables_and_summary_files(tmp_path):
                     (20, 60, 59, "fp8_reload/load_weights", TID_A, 3)])
     db.commit()
     db.close()
-    assert cli.main(["profile", "--out", str(tmp_path / "o"), "--summarize", str(tmp_path / "cpu.sqlite")]) == 0
+    assert cli.main(["profile", "--out", str(tmp_path / "o"),
+                     "--summarize", str(tmp_path / "cpu.sqlite")]) == 0
     summary = pd.read_csv(tmp_path / "o" / "summary.csv")
     row = summary[summary.range == "fp8_reload/load_weights"].iloc[0]
     assert row.scenario == "reload-full" and row.share_pct == pytest.approx(50.0)
@@ -296,25 +312,24 @@ def test_nsys_sqlite_without_cuda_tables_and_summary_files(tmp_path):
 
 def test_nesting_and_innermost_rules():
     T, U = "t", "u"
-    ranges = [Range("fp8_reload/a", 0, 100, T), Range("fp8_reload/b", 0, 50, T),  # same start: longer is the parent
+    # same start: the longer range is the parent
+    ranges = [Range("fp8_reload/a", 0, 100, T), Range("fp8_reload/b", 0, 50, T),
               Range("fp8_reload/c", 50, 100, T),  # starts where b ends: b's sibling
               Range("fp8_reload/d", 10, 20, U)]
-    assert _nest(ranges) == [-1, 0, 0, -1]
+    assert nest(ranges) == [-1, 0, 0, -1]
     work = [Work("k", "kernel", 50, T, 1), Work("k", "kernel", 49, T, 1), Work("k", "kernel", 15, U, 1),
             Work("k", "kernel", 150, T, 1), Work("k", "kernel", 15, "v", 1)]
-    assert _innermost(ranges, work) == [2, 1, 3, -1, -1]
+    assert innermost(ranges, work) == [2, 1, 3, -1, -1]
 
 
 def test_short_kernel_names():
-    from fp8_reload.profile import _short_kernel
-
-    assert _short_kernel("void at::native::vectorized_elementwise_kernel<4, at::native::"
+    assert short_kernel_name("void at::native::vectorized_elementwise_kernel<4, at::native::"
                          "BinaryFunctor<float, float, float, at::native::MulFunctor<float>>, "
                          "std::array<char*, 3>>(int, float*)") == "vectorized_elementwise_kernel"
-    assert _short_kernel("void at::native::(anonymous namespace)::indexSelectSmallIndex<float, long, "
+    assert short_kernel_name("void at::native::(anonymous namespace)::indexSelectSmallIndex<float, long, "
                          "unsigned int, 2, 2, -2>(cuda::detail::TensorInfo<float, unsigned int>)") \
         == "indexSelectSmallIndex"
-    assert _short_kernel("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32") \
+    assert short_kernel_name("sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32") \
         == "sm90_xmma_gemm_f32f32_tf32f32_f32_tn_n_tilesize128x128x32"
 
 

@@ -11,19 +11,30 @@ start-up dominates the cost on CPU).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
 
 import pytest
 import torch
 
-from fp8_reload.cli import main
-from fp8_reload.placement import Placement, balance_placement, move_experts, synthetic_load
-from fp8_reload.rebalance import (RebalanceError, RebalancePlan, load_rank_model, moe_layer_map,
-                                  pack_slots, param_ids, rebalance, run_ranks, slot_tensors,
-                                  write_slots)
+from fp8_reload.expert_parallel import (
+    Placement,
+    RebalanceError,
+    RebalancePlan,
+    balance_placement,
+    load_rank_model,
+    moe_layer_map,
+    move_experts,
+    pack_slots,
+    rebalance,
+    run_ranks,
+    slot_tensors,
+    synthetic_load,
+    write_slots,
+)
 from fp8_reload.state import compare_states, snapshot
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.rebalance import param_ids
 
-from .conftest import rewrite_tensor, copy_checkpoint
+from .conftest import copy_checkpoint, rewrite_tensor
 
 LAYERS = (1, 2)  # the tiny preset's MoE layers
 E = 8
@@ -107,7 +118,7 @@ class Step:
     new: Placement
     mode: str
     exclude: tuple = ()
-    checkpoint: Optional[str] = None  # default: the one the model was loaded from
+    checkpoint: str | None = None  # default: the one the model was loaded from
 
 
 @dataclass
@@ -116,7 +127,7 @@ class Scenario:
     kind: str
     start: Placement
     steps: list = field(default_factory=list)
-    share_of: Optional[dict] = None  # {rank: rank whose share it loads} to provoke disagreement
+    share_of: dict | None = None  # {rank: rank whose share it loads} to provoke disagreement
 
 
 def _scenario_rank(rank, world, device, scenarios, ckpts):

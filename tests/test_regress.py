@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from fp8_reload.cli import main
-from fp8_reload.regress import combine_rounds, compare
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.regress import combine_rounds, compare
 
 from .asv_files import write_benchmarks_json, write_result
 

@@ -26,7 +26,8 @@ import torch
 import fp8_reload as fr
 import fp8_reload.layers as layers
 import fp8_reload.processing as proc
-import fp8_reload.reload as reload_mod
+import fp8_reload.processing.moe as moe_processing
+import fp8_reload.reload.backup as backup_mod
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.layers import EXPERT_RE, FusedMoE
 
@@ -271,8 +272,8 @@ COMMIT_POINTS = [
 PROCESS_POINTS = [
     ("moe-process", proc.FixedFp8MoEMethod, "process_weights_after_loading", 2),
     ("linear-process", proc.FixedFp8LinearMethod, "process_weights_after_loading", 3),
-    ("requantize-kernel", proc, "requantize_w13_to_expert_max_", 1),
-    ("quantize-kernel", proc, "quantize_experts_", 2),
+    ("requantize-kernel", moe_processing, "requantize_w13_to_expert_max_", 1),
+    ("quantize-kernel", moe_processing, "quantize_experts_", 2),
 ]
 
 
@@ -348,7 +349,7 @@ def test_ctrl_c_during_restore_is_deferred_until_the_model_is_whole(ckpts, monke
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
-    orig = reload_mod._Backup.restore
+    orig = backup_mod.Backup.restore
     progress = []
 
     def restore_with_sigint(self):
@@ -357,7 +358,7 @@ def test_ctrl_c_during_restore_is_deferred_until_the_model_is_whole(ckpts, monke
         orig(self)
         progress.append("restored")
 
-    monkeypatch.setattr(reload_mod._Backup, "restore", restore_with_sigint)
+    monkeypatch.setattr(backup_mod.Backup, "restore", restore_with_sigint)
     with pytest.raises(KeyboardInterrupt):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert progress == ["restored"]
@@ -401,7 +402,7 @@ def test_failed_rollback_is_reported_and_only_a_full_reload_repairs(ckpts, tmp_p
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     Fault(monkeypatch, FusedMoE, "_load_into_slot", 10, DEVICE_FAULT, model, before)
-    Fault(monkeypatch, reload_mod, "index_copy_", 1, RuntimeError("device lost"), model, before)
+    Fault(monkeypatch, backup_mod, "index_copy_", 1, RuntimeError("device lost"), model, before)
     with pytest.raises(fr.RollbackError, match="restoring the backup failed too"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter(FILTERED))
     monkeypatch.undo()

@@ -84,8 +84,7 @@ def test_filtered_reload_from_other_checkpoint(device, ckpts, tiny_cfg, tmp_path
         for pname in ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"):
             name = f"model.layers.{layer}.mlp.experts.{pname}"
             for e in range(tiny_cfg.num_experts):
-                same = torch.equal(before.tensors[name][e].view(torch.uint8) if before.tensors[name].dtype == torch.float8_e4m3fn else before.tensors[name][e],
-                                   after.tensors[name][e].view(torch.uint8) if after.tensors[name].dtype == torch.float8_e4m3fn else after.tensors[name][e])
+                same = fr.state.bitwise_equal(before.tensors[name][e], after.tensors[name][e])
                 if (layer, e) in chosen and pname == "w13_weight":
                     assert not same, f"{name}[{e}] should have changed"
                 if (layer, e) not in chosen:
@@ -131,7 +130,8 @@ def test_a_partial_match_reloads_the_whole_expert(ckpts):
     path = ckpts["fp8", 0]
     model = fr.load_model(path)
     before = fr.snapshot(model)
-    report = fr.update_weights_from_disk(model, path, lambda n: n == "model.layers.1.mlp.experts.3.up_proj.weight")
+    one = "model.layers.1.mlp.experts.3.up_proj.weight"
+    report = fr.update_weights_from_disk(model, path, lambda n: n == one)
     assert report.tensors_loaded == 9  # gate/up/down x weight/weight_scale/input_scale
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
 
@@ -165,7 +165,8 @@ def test_backup_is_bounded_by_the_reloaded_experts(ckpts, tiny_cfg):
 # ---------------------------------------------------------------- upstream
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_upstream_reload_dies_on_missing_weight_loader_and_leaves_model_as_it_was(device, ckpts, tiny_cfg, kind):
+def test_upstream_reload_dies_on_missing_weight_loader_and_leaves_model_as_it_was(device, ckpts, tiny_cfg,
+                                                                                  kind):
     model = fr.load_model(ckpts[kind, 0], processing="upstream", device=device)
     before = fr.snapshot(model)
     x = tokens(tiny_cfg).to(device)
@@ -228,7 +229,8 @@ def test_fixed_keeps_the_sglang_scale_layout(ckpts, tiny_cfg):
     # the checkpoint's gate and up scales differ: both columns hold the larger one
     ckpt = fr.Checkpoint(ckpts["fp8", 0])
     vals = dict(ckpt.read([f"model.layers.1.mlp.experts.4.{p}_proj.weight_scale" for p in ("gate", "up")]))
-    gate, up = vals["model.layers.1.mlp.experts.4.gate_proj.weight_scale"], vals["model.layers.1.mlp.experts.4.up_proj.weight_scale"]
+    gate = vals["model.layers.1.mlp.experts.4.gate_proj.weight_scale"]
+    up = vals["model.layers.1.mlp.experts.4.up_proj.weight_scale"]
     assert gate != up
     assert s[4, 0] == torch.maximum(gate, up)
 
@@ -255,15 +257,15 @@ def test_errors_name_the_cause_and_leave_the_model_alone(ckpts, tmp_path, monkey
         fr.update_weights_from_disk(model, bad)
 
     # A fault in the middle of post-processing is rolled back.
-    import fp8_reload.processing as proc
+    import fp8_reload.processing.moe as moe_processing
 
-    orig = proc.requantize_w13_to_expert_max_
+    orig = moe_processing.requantize_w13_to_expert_max_
 
     def fail_midway(w13, scale, experts, shard):
         orig(w13, scale, experts[:1], shard)  # writes one expert, then dies
         raise RuntimeError("injected device fault")
 
-    monkeypatch.setattr(proc, "requantize_w13_to_expert_max_", fail_midway)
+    monkeypatch.setattr(moe_processing, "requantize_w13_to_expert_max_", fail_midway)
     with pytest.raises(fr.ReloadError, match="injected device fault"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter({1: [0, 1, 2]}))
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

@@ -9,8 +9,8 @@ import pandas as pd
 import pytest
 
 import fp8_reload as fr
-from fp8_reload.cli import main
-from fp8_reload.report import fraction_value, headline, load_results, write_report
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.report import fraction_value, headline, load_results, write_report
 
 from .asv_files import write_benchmarks_json, write_machine, write_result
 

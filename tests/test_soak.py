@@ -101,7 +101,8 @@ def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, c
             for layer, e in chosen:
                 spec.setdefault(layer, []).append(e)
                 source[layer, e] = seed
-            report = fr.update_weights_from_disk(model, ckpts[kind, seed], fr.generate_weight_name_filter(spec))
+            flt = fr.generate_weight_name_filter(spec)
+            report = fr.update_weights_from_disk(model, ckpts[kind, seed], flt)
             assert report.experts_reloaded == {k: sorted(v) for k, v in sorted(spec.items())}
             seconds["filtered"] += time.perf_counter() - t0
         _no_leftovers(model)
@@ -112,7 +113,7 @@ def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, c
                 mem["reload_blocks"].append(sys.getallocatedblocks() - mem["blocks_after_check"])
             donors = {k for k, s in source.items() if s != base}
             mixed = mix_checkpoints(ckpts[kind, base], ckpts[kind, 1 - base], tmp_path / f"mix-{i}",
-                                    lambda n: (m := EXPERT_RE.match(n)) is not None
+                                    lambda n, donors=donors: (m := EXPERT_RE.match(n)) is not None
                                     and (int(n.split(".")[2]), int(m.group(2))) in donors)
             fresh = fr.load_model(mixed, device=device)
             now = fr.snapshot(model)

@@ -3,7 +3,7 @@
 import pytest
 
 import fp8_reload as fr
-from fp8_reload.staging import PinnedArena
+from fp8_reload.checkpoint.staging import PinnedArena
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

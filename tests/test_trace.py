@@ -21,7 +21,7 @@ import torch
 
 import fp8_reload as fr
 from fp8_reload import trace
-from fp8_reload.profile import load_chrome_trace, _nest
+from fp8_reload.tools.profile import load_chrome_trace, nest
 from tests.conftest import tokens
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,7 +56,9 @@ static void *domain_create(const char *name) {
 }
 static void *register_string(const void *d, const char *s) { (void)d; return strdup(s); }
 static void name_category(const void *d, uint32_t id, const char *name) {
-    pthread_mutex_lock(&mu); fprintf(out, "category\t%s\t%u\t%s\n", dname(d), id, name); pthread_mutex_unlock(&mu);
+    pthread_mutex_lock(&mu);
+    fprintf(out, "category\t%s\t%u\t%s\n", dname(d), id, name);
+    pthread_mutex_unlock(&mu);
 }
 static int push_ex(const void *d, const attrs_t *a) {
     const char *msg = a->message_type == 3 ? (const char *)a->message.registered
@@ -270,7 +272,7 @@ def test_reload_and_forward_ranges_nest_in_a_torch_profiler_trace(ckpts, tiny_cf
     prof.export_chrome_trace(str(out))
     events = load_chrome_trace(out)
     ranges = events.ranges
-    parent = _nest(ranges)
+    parent = nest(ranges)
     parent_name = {}
     for r, p in zip(ranges, parent):
         parent_name.setdefault(r.name, set()).add(ranges[p].name if p >= 0 else None)

@@ -10,8 +10,8 @@ model sglang's `DefaultModelLoader` and `WeightUpdater` can drive: an FP8
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable, Optional
 
 import torch
 from torch import nn
@@ -157,7 +157,7 @@ def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(_bytes(a), _bytes(b))
 
 
-def byte_diffs(a: nn.Module, b: nn.Module, names: Optional[Iterable[str]] = None) -> list[str]:
+def byte_diffs(a: nn.Module, b: nn.Module, names: Iterable[str] | None = None) -> list[str]:
     """Names whose tensors differ (dtype, shape or any byte) between two modules."""
     ta, tb = tensors(a), tensors(b)
     names = sorted(set(ta) | set(tb)) if names is None else names

@@ -13,11 +13,11 @@ import pytest
 import torch
 
 from fp8_reload import sglang_patch
-from fp8_reload.quant import calc_diff
+from fp8_reload.kernels.scales import collapse_w13_scale
+from fp8_reload.testing import calc_diff
 
 from .conftest import CFG
-from .sgl_model import (byte_diffs, changed_since, fresh_experts, load_experts, make_experts,
-                        snapshot)
+from .sgl_model import byte_diffs, changed_since, fresh_experts, load_experts, snapshot
 
 E = CFG.num_experts
 
@@ -145,7 +145,7 @@ def test_block_scales_of_wide_weights():
     blocks = sglang_patch.per_tensor_block_scales(scale, (3, 300, 129))
     assert blocks.shape == (3, 3, 2) and blocks.is_contiguous()
     assert torch.equal(blocks[:, 2, 1], scale[:, 0])
-    assert sglang_patch.kernel_w13_scale(scale[:, 0]) is not None
+    assert collapse_w13_scale(scale[:, 0]) is not None
 
 
 def test_patched_apply_hands_deepgemm_collapsed_block_scales(patched, ckpts, monkeypatch):
@@ -167,5 +167,5 @@ def test_patched_apply_hands_deepgemm_collapsed_block_scales(patched, ckpts, mon
     assert info.w13_scale.dim() == 3 and info.w13_scale.shape[0] == E
     assert torch.equal(info.w13_scale[:, 0, 0], moe.w13_weight_scale[:, 0])
     # sglang's own branch, given the [E, 2] layout, would expand it to a 4-D tensor
-    sglang_patch._original("Fp8MoEMethod", "apply")(method, moe, dispatch)
+    sglang_patch.original("Fp8MoEMethod", "apply")(method, moe, dispatch)
     assert handed[-1].w13_scale.dim() == 4

@@ -10,7 +10,7 @@ from fp8_reload import sglang_patch
 
 
 def _current():
-    return {(cls, attr): cls.__dict__[attr] for cls, attr, _ in sglang_patch._targets()}
+    return {(cls, attr): cls.__dict__[attr] for cls, attr, _ in sglang_patch.targets()}
 
 
 def test_apply_then_revert_restores_the_originals_exactly(unpatched):
@@ -97,7 +97,7 @@ def test_sglang_plugin_loader_applies_the_patch(unpatched, monkeypatch):
 
 
 def test_launcher_check_reports_the_patch(unpatched, capsys):
-    from fp8_reload.cli import main
+    from fp8_reload.tools.cli import main
 
     assert main(["sglang-launch", "--check"]) == 0
     out = capsys.readouterr().out
@@ -107,7 +107,7 @@ def test_launcher_check_reports_the_patch(unpatched, capsys):
 
 
 def test_launcher_refuses_an_unknown_version(monkeypatch, capsys):
-    from fp8_reload.cli import main
+    from fp8_reload.tools.cli import main
 
     monkeypatch.setattr(sglang_patch, "installed_version", lambda: "0.6.0")
     assert main(["sglang-launch", "--", "--model-path", "x"]) == 2

@@ -17,8 +17,17 @@ import fp8_reload as fr
 from fp8_reload import sglang_patch
 
 from .conftest import CFG
-from .sgl_model import (EXPERTS_PREFIX, MOE_LAYER, Q_PROJ, ServedModel, byte_diffs,
-                        changed_since, fresh_experts, same_bytes, snapshot)
+from .sgl_model import (
+    EXPERTS_PREFIX,
+    MOE_LAYER,
+    Q_PROJ,
+    ServedModel,
+    byte_diffs,
+    changed_since,
+    fresh_experts,
+    same_bytes,
+    snapshot,
+)
 
 E = CFG.num_experts
 RELOADED = [0, 3]

@@ -1,0 +1,213 @@
+"""Strict safetensors header parsing, and the rules for weight file names.
+
+Safety: weight files are parsed as safetensors only (an 8-byte length, a JSON
+header, raw bytes). Nothing is unpickled and no string from a checkpoint is
+evaluated: JSON is parsed with `json`, tensor bytes are read at the offsets the
+validated header gives. Every failure surfaces as a `CheckpointError` subclass
+naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import torch
+
+from .. import trace
+from ..errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnreadableCheckpointError,
+    UnsafeCheckpointError,
+    UnsupportedCheckpointError,
+)
+from .layout import nbytes
+
+# Weight files in these formats are unpickled by their usual loaders: refused, never opened.
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt")
+# Other weight formats we recognise only to name them in the error.
+OTHER_WEIGHT_SUFFIXES = (".gguf", ".npz", ".npy", ".h5", ".msgpack", ".onnx")
+SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+                      "BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32,
+                      "F64": torch.float64, "I8": torch.int8, "U8": torch.uint8,
+                      "I16": torch.int16, "I32": torch.int32, "I64": torch.int64,
+                      "BOOL": torch.bool}
+# safetensors' own limit on the JSON header.
+MAX_HEADER_BYTES = 100_000_000
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    file: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    offset: int  # byte offset of the data in the file
+    nbytes: int
+
+
+def _sniff_format(head: bytes) -> str | None:
+    """Name the format of a file that failed to parse as safetensors, if recognisable."""
+    if head.startswith(b"PK\x03\x04"):
+        return "a zip archive (torch.save format: its data.pkl is a pickle)"
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return f"a pickle (protocol {head[1]})"
+    if head.startswith(b"GGUF"):
+        return "a GGUF file"
+    if head.startswith(b"\x93NUMPY"):
+        return "a NumPy .npy file"
+    return None
+
+
+def _refuse_sniffed(file: Path, head: bytes) -> None:
+    fmt = _sniff_format(head)
+    if fmt is None:
+        return
+    if "pickle" in fmt:
+        raise UnsafeCheckpointError(f"{file}: is {fmt}, not safetensors; refusing to load it "
+                                    "(unpickling runs code from the file)")
+    raise UnsupportedCheckpointError(f"{file}: is {fmt}, not safetensors")
+
+
+def _reject_constant(name: str):
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _unique_object(pairs: list) -> dict:
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def parse_json(raw: bytes, what) -> object:
+    """Strict JSON (UTF-8, no NaN/Infinity, no duplicate keys); CorruptCheckpointError otherwise."""
+    try:
+        return json.loads(raw.decode("utf-8"), parse_constant=_reject_constant,
+                          object_pairs_hook=_unique_object)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CorruptCheckpointError(f"{what}: corrupt JSON: {str(e)[:200]}") from None
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _parse_entry(file: Path, name: str, meta, data_start: int, data_len: int) -> TensorInfo:
+    where = f"{file}: header entry for tensor {name!r}"
+    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+        raise CorruptCheckpointError(f"{where} is not {{dtype, shape, data_offsets}}: {str(meta)[:200]}")
+    dtype_name, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
+    if not isinstance(dtype_name, str):
+        raise CorruptCheckpointError(f"{where}: dtype {dtype_name!r} is not a string")
+    dtype = SAFETENSORS_DTYPES.get(dtype_name)
+    if dtype is None:
+        raise UnsupportedCheckpointError(f"{where}: dtype {dtype_name[:40]!r} is not supported")
+    if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
+        raise CorruptCheckpointError(f"{where}: shape {str(shape)[:100]} is not a list of "
+                                     "non-negative integers")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(_is_int(v) for v in offsets) or not 0 <= offsets[0] <= offsets[1]):
+        raise CorruptCheckpointError(f"{where}: data_offsets {str(offsets)[:100]} is not "
+                                     "[begin, end] with 0 <= begin <= end")
+    begin, end = offsets
+    size = nbytes(shape, dtype)
+    if end - begin != size:
+        raise CorruptCheckpointError(f"{where}: data_offsets [{begin}, {end}) hold {end - begin} "
+                                     f"bytes, but {dtype_name} {shape} needs {size}")
+    if end > data_len:
+        raise CorruptCheckpointError(f"{file}: truncated: tensor {name!r} needs data bytes up to "
+                                     f"{end}, the file has {data_len}")
+    return TensorInfo(name, file.name, dtype, tuple(shape), data_start + begin, size)
+
+
+@trace.range("fp8_reload/shard_header")
+def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header without reading tensor data.
+
+    As strict as the safetensors library: known dtypes, byte counts that match
+    shapes, data regions that tile the data section exactly. So a header that
+    passes here is one `safe_open` accepts, and every defect gets a message
+    naming the file (and the tensor) instead of a library error.
+    """
+    file = Path(file)
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                _refuse_sniffed(file, head)
+                raise CorruptCheckpointError(f"{file}: truncated: {len(head)} bytes, no safetensors header")
+            (hlen,) = struct.unpack("<Q", head)
+            if hlen > min(size - 8, MAX_HEADER_BYTES):
+                _refuse_sniffed(file, head)
+                raise CorruptCheckpointError(
+                    f"{file}: corrupt or truncated header: claims {hlen} bytes, the file has "
+                    f"{size - 8} after the length")
+            raw = f.read(hlen)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{file}: missing") from None
+    except OSError as e:
+        raise UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
+    if len(raw) < hlen:  # the file shrank while we read it
+        raise CorruptCheckpointError(f"{file}: truncated header")
+    try:
+        header = parse_json(raw, f"{file}: header")
+    except CorruptCheckpointError:
+        _refuse_sniffed(file, head)
+        raise
+    if not isinstance(header, dict):
+        raise CorruptCheckpointError(f"{file}: corrupt header: not a JSON object")
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict)
+                                 and all(isinstance(v, str) for v in meta.values())):
+        raise CorruptCheckpointError(f"{file}: corrupt header: __metadata__ is not a string map")
+    data_start = 8 + hlen
+    data_len = size - data_start
+    out = {name: _parse_entry(file, name, m, data_start, data_len)
+           for name, m in header.items() if name != "__metadata__"}
+    # The data regions must tile [0, data_len) exactly, in offset order: first no
+    # overlaps (two tensors sharing bytes), then no gaps.
+    ordered = sorted(out.values(), key=lambda i: (i.offset, i.nbytes))
+    end, last = data_start, None
+    for info in ordered:
+        if info.offset < end:
+            raise CorruptCheckpointError(f"{file}: corrupt header: tensor {info.name!r} overlaps "
+                                         f"the data of tensor {last!r}")
+        end, last = info.offset + info.nbytes, info.name
+    pos, last = 0, None
+    for info in ordered:
+        begin = info.offset - data_start
+        if begin != pos:
+            raise CorruptCheckpointError(f"{file}: corrupt header: {begin - pos} bytes before tensor "
+                                         f"{info.name!r} belong to no tensor")
+        pos, last = begin + info.nbytes, info.name
+    if pos != data_len:
+        raise CorruptCheckpointError(f"{file}: corrupt: {data_len - pos} bytes after the last "
+                                     f"tensor ({last!r}) that no header entry covers")
+    return out
+
+
+def check_weight_file_name(index_file: Path, fname) -> None:
+    """An index may only name safetensors files inside the checkpoint directory."""
+    if not isinstance(fname, str) or not fname or "\x00" in fname:
+        raise CorruptCheckpointError(f"{index_file}: weight file name {str(fname)[:100]!r} is not a "
+                                     "file name")
+    p = PurePosixPath(fname)
+    if p.is_absolute() or ".." in p.parts or "\\" in fname:
+        raise UnsafeCheckpointError(f"{index_file}: weight file {fname[:200]!r} lies outside the "
+                                    "checkpoint directory; refusing it")
+    suffix = p.suffix.lower()
+    if suffix in PICKLE_SUFFIXES:
+        raise UnsafeCheckpointError(f"{index_file}: weight file {fname[:200]!r} is a pickle format; "
+                                    "refusing to load it (unpickling runs code from the file). "
+                                    "Convert the checkpoint to safetensors.")
+    if suffix != ".safetensors":
+        raise UnsupportedCheckpointError(f"{index_file}: weight file {fname[:200]!r} is not "
+                                         "safetensors; only safetensors weights are loaded")
+

@@ -1,0 +1,81 @@
+"""Pinned host memory for reloads onto a GPU: staging reads and rollback backups.
+
+A host-to-device copy from pageable memory runs through the driver's bounce
+buffer and blocks; from pinned memory it is one asynchronous DMA (measured on
+the H200: 18 vs 55 GB/s one-shot, 6 GB/s per tensor from pageable). A reload onto
+a GPU therefore reads every selected tensor (`Checkpoint.read(into=arena)`,
+parallel positional reads) into one pinned arena, and backs up the slices it will
+overwrite into a second one (device-to-host DMA, stream-ordered before the
+writes). Both arenas live on the model and grow to the largest reload seen, so
+steady-state reloads allocate nothing; `release_staging(model)` frees them.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can view it)
+READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", "8"))
+
+
+def _align(n: int) -> int:
+    return (n + ALIGN - 1) // ALIGN * ALIGN
+
+
+class PinnedArena:
+    """A grow-only pinned host buffer handed out in aligned slices, reset per use."""
+
+    def __init__(self, pin: bool = True):
+        self.pin = pin and torch.cuda.is_available()
+        self.buffer: torch.Tensor | None = None
+        self.used = 0
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.buffer is None else self.buffer.numel()
+
+    def reset(self, nbytes: int) -> None:
+        """Make room for `nbytes` (aligned pieces included) and start handing out from 0."""
+        if nbytes > self.capacity:
+            self.buffer = None  # release the old one first: pinned memory is precious
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+        self.used = 0
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        start = self.used
+        self.used = _align(start + nbytes)
+        if self.used > self.capacity:
+            raise RuntimeError("PinnedArena overflow: reset() was given too small a size")
+        return self.buffer[start:start + nbytes]
+
+    def release(self) -> None:
+        self.buffer, self.used = None, 0
+
+
+def arena(model, which: str) -> PinnedArena:
+    """The model's reusable arena `which` ("staging" or "backup"), created on first use."""
+    arenas = model.__dict__.setdefault("_pinned_arenas", {})
+    if which not in arenas:
+        arenas[which] = PinnedArena()
+    return arenas[which]
+
+
+def release_staging(model) -> None:
+    """Give the pinned staging/backup memory back (the next GPU reload re-allocates it)."""
+    for a in model.__dict__.get("_pinned_arenas", {}).values():
+        a.release()
+
+
+def aligned(nbytes: int) -> int:
+    return _align(nbytes)
+
+
+def typed_slice(arena_: PinnedArena, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A `dtype` tensor of `shape` carved out of the arena."""
+    n = 1
+    for d in shape:
+        n *= d
+    raw = arena_.take(n * torch.empty((), dtype=dtype).element_size())
+    return raw.view(dtype).view(tuple(shape))

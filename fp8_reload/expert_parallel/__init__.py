@@ -1,0 +1,30 @@
+"""Expert parallelism: which rank holds which expert, and moving experts between ranks.
+
+    placement  the physical -> logical slot table and EPLB's balancing policy
+    slots      a rank's share of the model; a slot's state packed as one row of bytes
+    plan       what every rank changes and where each new expert comes from
+    rebalance  the collective transaction: agree, stage, exchange / read, commit, roll back
+    group      process groups: joining, communication devices, warm-up
+    launch     spawning ranks (or joining under torchrun), a persistent pool of ranks
+"""
+
+from .group import default_backend, init_rank, launched_by_torchrun, warm_up_p2p
+from .launch import RankPool, run_ranks
+from .placement import Placement, balance_placement, default_slots_per_rank, move_experts, synthetic_load
+from .plan import MODES, Fetch, RankPlan, RebalancePlan
+from .rebalance import RebalanceReport, rebalance
+from .slots import (
+                        RebalanceError,
+                        load_rank_model,
+                        moe_layer_map,
+                        pack_slots,
+                        row_bytes,
+                        slot_tensors,
+                        write_slots,
+)
+
+__all__ = ["Fetch", "MODES", "Placement", "RankPlan", "RankPool", "RebalanceError",
+           "RebalancePlan", "RebalanceReport", "balance_placement", "default_backend",
+           "default_slots_per_rank", "init_rank", "launched_by_torchrun", "load_rank_model",
+           "moe_layer_map", "move_experts", "pack_slots", "rebalance", "row_bytes", "run_ranks",
+           "slot_tensors", "synthetic_load", "warm_up_p2p", "write_slots"]

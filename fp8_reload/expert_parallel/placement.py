@@ -1,0 +1,348 @@
+"""Expert-parallel placement: which logical expert each physical slot holds.
+
+`ep_size` ranks each hold `slots_per_rank` physical expert slots per MoE layer;
+physical slot ``p`` lives on rank ``p // slots_per_rank`` at local slot
+``p % slots_per_rank``. There are at least as many physical slots as logical
+experts, so the spare ones hold redundant copies of hot experts (EPLB's
+"redundant experts"). A `Placement` is the per-layer physical -> logical table
+every rank agrees on; a rank's `FusedMoE` loads only the experts of its own
+slots (`expert_slots_for`).
+
+The balancer (`balance_placement`) is the greedy global policy of DeepSeek's
+EPLB, written here from its description: give extra replicas, one at a time, to
+the expert with the highest load per replica; then bin-pack the replicas onto
+ranks, heaviest first, each onto the least-loaded rank that still has a free
+slot (and does not already hold that expert, when it can). Ties go to the rank
+that already held the expert, and each rank keeps its experts in the slots they
+occupied, so a rebalance moves as few experts as the new balance allows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Physical -> logical expert table for each MoE layer of an expert-parallel model.
+
+    `table[i, p]` is the logical expert held by physical slot ``p`` of MoE layer
+    ``layers[i]``. Every physical slot holds an expert and every logical expert
+    has at least one replica (a fresh load then defines every byte of a rank).
+    """
+
+    layers: tuple[int, ...]
+    num_experts: int
+    ep_size: int
+    slots_per_rank: int
+    table: torch.Tensor  # [len(layers), ep_size * slots_per_rank] int64, CPU
+
+    def __post_init__(self):
+        object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
+        object.__setattr__(self, "table", torch.as_tensor(self.table, dtype=torch.long).cpu().contiguous())
+        self.validate()
+
+    # ----- construction -----
+    @classmethod
+    def round_robin(cls, layers: Iterable[int], num_experts: int, ep_size: int,
+                    slots_per_rank: int | None = None) -> Placement:
+        """The static start layout: physical slot p holds expert p mod num_experts.
+
+        Experts are split into contiguous blocks across ranks and the spare slots
+        wrap around to the first experts. `slots_per_rank` defaults to
+        ``ceil(num_experts / ep_size)`` (no redundancy beyond rounding).
+        """
+        layers = tuple(layers)
+        s = slots_per_rank or default_slots_per_rank(num_experts, ep_size, redundant=0)
+        row = torch.arange(ep_size * s) % num_experts
+        return cls(layers, num_experts, ep_size, s, row.repeat(len(layers), 1))
+
+    @classmethod
+    def from_rank_slots(cls, num_experts: int, slots: Mapping[int, Sequence[Sequence[int]]]
+                        ) -> Placement:
+        """From ``{layer: [[experts of rank 0's slots], [rank 1's], ...]}``."""
+        layers = tuple(sorted(slots))
+        per_rank = [len(r) for r in slots[layers[0]]]
+        if len(set(per_rank)) != 1:
+            raise ValueError(f"every rank needs the same number of slots, got {per_rank}")
+        table = torch.tensor([[e for rank in slots[layer] for e in rank] for layer in layers])
+        return cls(layers, num_experts, len(per_rank), per_rank[0], table)
+
+    def validate(self) -> None:
+        p = self.ep_size * self.slots_per_rank
+        if self.ep_size < 1 or self.slots_per_rank < 1:
+            raise ValueError("ep_size and slots_per_rank must be >= 1")
+        if self.table.shape != (len(self.layers), p):
+            raise ValueError(f"table has shape {tuple(self.table.shape)}, expected "
+                             f"({len(self.layers)}, {p}) = (layers, ep_size * slots_per_rank)")
+        if p < self.num_experts:
+            raise ValueError(f"{self.ep_size} ranks x {self.slots_per_rank} slots = {p} physical "
+                             f"slots cannot hold {self.num_experts} experts")
+        if self.table.numel() and (int(self.table.min()) < 0 or int(self.table.max()) >= self.num_experts):
+            raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
+        for i, layer in enumerate(self.layers):
+            held = torch.bincount(self.table[i], minlength=self.num_experts)
+            missing = (held == 0).nonzero().flatten().tolist()
+            if missing:
+                raise ValueError(f"layer {layer}: experts {missing} have no replica")
+
+    # ----- queries -----
+    @property
+    def num_physical(self) -> int:
+        return self.ep_size * self.slots_per_rank
+
+    def row(self, layer: int) -> torch.Tensor:
+        try:
+            return self.table[self.layers.index(layer)]
+        except ValueError:
+            raise KeyError(f"layer {layer} is not an MoE layer of this placement "
+                           f"(layers {list(self.layers)})") from None
+
+    def rank_experts(self, layer: int, rank: int) -> list[int]:
+        """Logical expert of each local slot of `rank` in `layer`."""
+        s = self.slots_per_rank
+        return self.row(layer)[rank * s:(rank + 1) * s].tolist()
+
+    def local_slots(self, layer: int, rank: int) -> dict[int, list[int]]:
+        """``{logical expert: [local slots]}`` of `rank` in `layer` (FusedMoE's `expert_slots`)."""
+        out: dict[int, list[int]] = {}
+        for slot, e in enumerate(self.rank_experts(layer, rank)):
+            out.setdefault(e, []).append(slot)
+        return out
+
+    def expert_slots_for(self, rank: int) -> Callable[[int], dict[int, list[int]]]:
+        """`layer_id -> {logical: [local slots]}` for `load_model(..., expert_slots=...)`."""
+        if not 0 <= rank < self.ep_size:
+            raise ValueError(f"rank {rank} outside [0, {self.ep_size})")
+        return lambda layer_id: self.local_slots(layer_id, rank)
+
+    def model_kwargs(self, rank: int) -> dict:
+        """The FusedMoE keyword arguments that load `rank`'s share of the experts."""
+        return {"num_local_experts": self.slots_per_rank, "expert_slots": self.expert_slots_for(rank)}
+
+    def logical_to_physical(self, layer: int) -> dict[int, list[int]]:
+        """``{logical expert: [physical slots]}``: the dispatch map of `layer`."""
+        out: dict[int, list[int]] = {}
+        for p, e in enumerate(self.row(layer).tolist()):
+            out.setdefault(e, []).append(p)
+        return out
+
+    def replicas(self) -> torch.Tensor:
+        """[layers, num_experts] replica count of each logical expert."""
+        return torch.stack([torch.bincount(r, minlength=self.num_experts) for r in self.table])
+
+    def rank_load(self, load: torch.Tensor) -> torch.Tensor:
+        """[layers, ep_size] load each rank serves when tokens split evenly over replicas."""
+        load = _as_load(load, self)
+        per_replica = load / self.replicas().to(load.dtype)
+        per_slot = per_replica.gather(1, self.table)
+        return per_slot.view(len(self.layers), self.ep_size, self.slots_per_rank).sum(-1)
+
+    def imbalance(self, load: torch.Tensor) -> torch.Tensor:
+        """[layers] max rank load / mean rank load (1.0 is perfect balance)."""
+        r = self.rank_load(load)
+        mean = r.mean(dim=1)
+        return torch.where(mean > 0, r.amax(dim=1) / mean.clamp(min=1e-30), torch.ones_like(mean))
+
+    def moved_slots(self, other: Placement) -> int:
+        """Physical slots whose expert differs between two placements of one layout."""
+        self._check_same_layout(other)
+        return int((self.table != other.table).sum())
+
+    def _check_same_layout(self, other: Placement) -> None:
+        mine = (self.layers, self.num_experts, self.ep_size, self.slots_per_rank)
+        theirs = (other.layers, other.num_experts, other.ep_size, other.slots_per_rank)
+        if mine != theirs:
+            raise ValueError(f"placements of different layouts: (layers, experts, ep_size, "
+                             f"slots_per_rank) {mine} vs {theirs}")
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Placement):
+            return NotImplemented
+        return (self.layers, self.num_experts, self.ep_size, self.slots_per_rank) == \
+            (other.layers, other.num_experts, other.ep_size, other.slots_per_rank) and \
+            torch.equal(self.table, other.table)
+
+    def __hash__(self):
+        return hash((self.layers, self.num_experts, self.ep_size, self.slots_per_rank,
+                     tuple(self.table.flatten().tolist())))
+
+    def describe(self, rank: int | None = None) -> str:
+        lines = []
+        for layer in self.layers:
+            ranks = range(self.ep_size) if rank is None else [rank]
+            cells = " | ".join(f"r{r}: {self.rank_experts(layer, r)}" for r in ranks)
+            lines.append(f"layer {layer}: {cells}")
+        return "\n".join(lines)
+
+
+def default_slots_per_rank(num_experts: int, ep_size: int, redundant: int = 1) -> int:
+    """Slots per rank that hold every expert plus `redundant` spare slots per rank."""
+    return math.ceil(num_experts / ep_size) + redundant
+
+
+def _as_load(load, placement: Placement) -> torch.Tensor:
+    load = torch.as_tensor(load, dtype=torch.float64).cpu()
+    if load.dim() == 1:
+        load = load.expand(len(placement.layers), -1)
+    if load.shape != (len(placement.layers), placement.num_experts):
+        raise ValueError(f"load has shape {tuple(load.shape)}, expected "
+                         f"({len(placement.layers)}, {placement.num_experts}) = (layers, experts)")
+    if bool((load < 0).any()) or not bool(torch.isfinite(load).all()):
+        raise ValueError("load must be finite and non-negative")
+    return load
+
+
+# --------------------------------------------------------------------------
+# Balancer
+# --------------------------------------------------------------------------
+
+def replicate(load: Sequence[float], num_physical: int, max_replicas: int) -> list[int]:
+    """Replica count per expert: one each, then each spare slot to the expert with
+    the highest load per replica (lowest id on ties), at most `max_replicas` each."""
+    n = len(load)
+    if num_physical < n:
+        raise ValueError(f"{num_physical} physical slots cannot hold {n} experts")
+    if n * max_replicas < num_physical:
+        raise ValueError(f"{num_physical} slots need more than {max_replicas} replicas per expert")
+    count = [1] * n
+    for _ in range(num_physical - n):
+        best = max((e for e in range(n) if count[e] < max_replicas),
+                   key=lambda e: (load[e] / count[e], -e))
+        count[best] += 1
+    return count
+
+
+def pack(load: Sequence[float], count: Sequence[int], ep_size: int, slots_per_rank: int,
+         previous: Sequence[Sequence[int]] | None = None) -> list[list[int]]:
+    """Greedy bin-packing of replicas onto ranks; returns each rank's local slots.
+
+    Replicas (weight ``load[e] / count[e]``) go heaviest first to the rank with the
+    least load among those with a free slot, preferring ranks that do not hold
+    the expert yet; ties prefer the rank that held the expert in `previous`.
+    Each rank then keeps its experts in the slots they already occupied.
+    """
+    items = sorted(((load[e] / count[e], e) for e in range(len(load)) for _ in range(count[e])),
+                   key=lambda t: (-t[0], t[1]))
+    held_before = [set(r) for r in previous] if previous is not None else [set() for _ in range(ep_size)]
+    rank_load = [0.0] * ep_size
+    chosen: list[list[int]] = [[] for _ in range(ep_size)]
+    for weight, e in items:
+        free = [r for r in range(ep_size) if len(chosen[r]) < slots_per_rank]
+        best = min(free, key=lambda r: (e in chosen[r], rank_load[r], e not in held_before[r], r))
+        chosen[best].append(e)
+        rank_load[best] += weight
+    if previous is None:
+        return [sorted(c) for c in chosen]
+    return [keep_slots(previous[r], chosen[r]) for r in range(ep_size)]
+
+
+def keep_slots(old: Sequence[int], new_experts: Iterable[int]) -> list[int]:
+    """Assign the multiset `new_experts` to slots, leaving experts where they were.
+
+    A slot keeps its expert if the rank still holds (a replica of) it; freed
+    slots take the remaining experts in ascending order, lowest slot first.
+    """
+    remaining: dict[int, int] = {}
+    for e in new_experts:
+        remaining[e] = remaining.get(e, 0) + 1
+    if sum(remaining.values()) != len(old):
+        raise ValueError(f"{sum(remaining.values())} experts for {len(old)} slots")
+    slots: list[int | None] = [None] * len(old)
+    for s, e in enumerate(old):
+        if remaining.get(e, 0):
+            slots[s] = e
+            remaining[e] -= 1
+    rest = iter(sorted(e for e, n in remaining.items() for _ in range(n)))
+    return [e if e is not None else next(rest) for e in slots]
+
+
+def balance_placement(load, old: Placement) -> Placement:
+    """The rebalanced placement for per-expert `load` ([layers, experts] or [experts]).
+
+    Same layout as `old` (layers, ranks, slots per rank); see the module docstring
+    for the policy. A layer the policy cannot improve (its busiest rank would not
+    get lighter) keeps its old placement.
+    """
+    load = _as_load(load, old)
+    s, r = old.slots_per_rank, old.ep_size
+    cap = max(r, math.ceil(old.num_physical / old.num_experts))
+    rows = []
+    for i, layer in enumerate(old.layers):
+        weights = load[i].tolist()
+        count = replicate(weights, old.num_physical, max_replicas=cap)
+        previous = [old.rank_experts(layer, k) for k in range(r)]
+        per_rank = pack(weights, count, r, s, previous)
+        rows.append([e for rank in per_rank for e in rank])
+    new = Placement(old.layers, old.num_experts, r, s, torch.tensor(rows))
+    # A layer keeps its old placement unless the new one lowers its busiest rank's load:
+    # moving experts for no gain only costs transfer time.
+    worse = new.rank_load(load).amax(1) >= old.rank_load(load).amax(1)
+    if bool(worse.any()):
+        table = torch.where(worse[:, None], old.table, new.table)
+        new = Placement(old.layers, old.num_experts, r, s, table)
+    return new
+
+
+def synthetic_load(layers: Sequence[int], num_experts: int, seed: int = 0, alpha: float = 1.2,
+                   tokens: int = 8192) -> torch.Tensor:
+    """Skewed per-expert token counts [layers, experts]: Zipf(alpha) over a
+    per-layer random order of experts, plus multinomial sampling noise.
+
+    Deterministic in (seed, layers, num_experts): ranks draw with their own seed
+    and sum (all-reduce) the counts, as EPLB's statistics are gathered.
+    """
+    rows = []
+    for layer in layers:
+        g = torch.Generator().manual_seed(seed * 100_003 + int(layer))
+        order = torch.randperm(num_experts, generator=g)
+        p = torch.empty(num_experts, dtype=torch.float64)
+        p[order] = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** alpha
+        counts = torch.bincount(torch.multinomial(p, tokens, replacement=True, generator=g),
+                                minlength=num_experts)
+        rows.append(counts.to(torch.float64))
+    return torch.stack(rows)
+
+
+def move_experts(old: Placement, per_layer: int, seed: int = 0) -> Placement:
+    """A placement that differs from `old` in exactly `2 * per_layer` physical slots
+    of each layer: `per_layer` disjoint pairs of slots on different ranks, holding
+    different experts, swap contents (each pair moves two experts across ranks).
+
+    The benchmarks use it to control how many experts a rebalance moves.
+    """
+    if per_layer == 0:
+        return old
+    if old.ep_size < 2:
+        raise ValueError("moving experts across ranks needs ep_size >= 2")
+    g = torch.Generator().manual_seed(seed)
+    rows = old.table.clone()
+    s = old.slots_per_rank
+    for i in range(len(old.layers)):
+        row = rows[i]
+        used: set[int] = set()
+        order = torch.randperm(old.num_physical, generator=g).tolist()
+        pairs = 0
+        for a in order:
+            if pairs == per_layer:
+                break
+            if a in used:
+                continue
+            partner = next((b for b in order if b not in used and b != a and b // s != a // s
+                            and int(row[b]) != int(row[a])
+                            and int(row[b]) not in row[(a // s) * s:(a // s + 1) * s].tolist()
+                            and int(row[a]) not in row[(b // s) * s:(b // s + 1) * s].tolist()),
+                           None)
+            if partner is None:
+                continue
+            row[a], row[partner] = int(row[partner]), int(row[a])
+            used.update((a, partner))
+            pairs += 1
+        if pairs < per_layer:
+            raise ValueError(f"cannot move {per_layer} expert pairs in layer {old.layers[i]} "
+                             f"({pairs} possible)")
+    return Placement(old.layers, old.num_experts, old.ep_size, s, rows)

@@ -1,0 +1,306 @@
+"""Expert-parallel rebalance across torch.distributed ranks.
+
+Each rank holds its share of the experts (a `Placement`, loaded with
+`load_rank_model`). `rebalance(model, new)` moves every rank to a new placement:
+
+1. **Agree.** Rank 0 broadcasts (old, new, mode); every rank checks it holds
+   the same old placement. Every rank then computes the same `RebalancePlan`.
+2. **Plan.** Per rank: the local slots whose expert changes and, per layer,
+   each logical expert the rank must obtain and from where: a *local* copy
+   (the rank already holds it in another slot), a *peer* that holds it (P2P),
+   or *disk*. ``p2p`` takes everything from peers, ``disk`` everything the
+   rank lacks from the checkpoint, ``hybrid`` from peers when a usable peer
+   holds it and from disk otherwise (`exclude_sources` marks peers that must
+   not serve, e.g. ones being drained or replaced, as in Elastic EP).
+3. **Exchange.** A slot's complete post-processed state is one row of bytes:
+   FP8 ``w13``/``w2`` weights, ``w13_weight_scale[s]`` (both columns),
+   ``w2_weight_scale[s]`` and, for FP8 checkpoints, the raw per-expert input
+   scales (``w*_input_scale_per_expert[s]``). Each pair of ranks exchanges one
+   packed buffer per direction in one `batch_isend_irecv`; disk experts are
+   read meanwhile with a filtered `update_weights_from_disk` through the new
+   slot maps.
+4. **Commit.** Rows are written in place into the existing Parameters of the
+   changed slots (objects and loader attributes kept), the layer-max input
+   scales are recomputed from the raw per-expert scales exactly as a fresh
+   load does, `weights_version` is bumped and forward caches dropped.
+5. **Finish together.** Ranks all-gather their outcome. If any rank failed,
+   every rank restores its changed slots from a backup taken before the
+   commit and raises `RebalanceError`; the model and placement are as before.
+
+After a successful rebalance each rank's state equals a fresh `load_model` of
+that rank under the new placement, bit for bit (tests check it on every rank).
+Works with ``gloo`` on CPU and ``nccl`` on GPUs.
+"""
+
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from ..device import synchronize
+from ..kernels.scales import clear_kernel_caches
+from ..layers import FP8MoEModel, FusedMoE
+from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
+from .group import comm_device, global_rank
+from .placement import Placement
+from .plan import RebalancePlan
+from .slots import (
+    RebalanceError,
+    moe_layer_map,
+    pack_slots,
+    refresh_merged_input_scales,
+    row_bytes,
+    write_slots,
+)
+
+
+@dataclass
+class RebalanceReport:
+    """What one rank did in one rebalance. `seconds` holds per-phase wall times."""
+
+    rank: int
+    mode: str
+    slots_changed: int = 0
+    experts_local: int = 0
+    experts_p2p: int = 0
+    experts_disk: int = 0
+    experts_sent: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    bytes_local: int = 0
+    bytes_disk: int = 0  # bytes read from the checkpoint
+    seconds: dict[str, float] = field(default_factory=dict)
+    disk_report: ReloadReport | None = None
+
+    def summary(self) -> str:
+        mib = 2.0 ** 20
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
+        return (f"rank {self.rank} [{self.mode}]: {self.slots_changed} slots changed "
+                f"({self.experts_local} local, {self.experts_p2p} p2p, {self.experts_disk} disk), "
+                f"sent {self.bytes_sent / mib:.2f} MiB, received {self.bytes_received / mib:.2f} MiB, "
+                f"read {self.bytes_disk / mib:.2f} MiB ({phases})")
+
+
+class _Timer:
+    """Adds the time since `t0` to phase `name`, after the device finished (unless `sync`
+    is False: posting asynchronous work)."""
+
+    def __init__(self, seconds: dict, device: torch.device):
+        self.seconds, self.device = seconds, device
+
+    def mark(self, name: str, t0: float, sync: bool = True) -> float:
+        if sync:
+            synchronize(self.device)
+        t = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
+        return t
+
+
+def _agree(old: Placement, new: Placement | None, mode: str, exclude_sources, group,
+           device, holds_rank: bool) -> tuple[Placement, str, frozenset]:
+    """Rank 0's (old, new, mode, exclusions) on every rank; every rank must hold `old`
+    (and its own share of it: `holds_rank`)."""
+    rank = dist.get_rank(group)
+    payload = [None]
+    if rank == 0 and new is not None:
+        payload = [(old.table, new, mode, sorted(exclude_sources))]
+    dist.broadcast_object_list(payload, src=global_rank(group, 0), group=group, device=device)
+    if payload[0] is None:
+        raise RebalanceError("rank 0 passed no new placement; nothing was changed")
+    old_table, new0, mode0, excl0 = payload[0]
+    same = torch.tensor([int(torch.equal(old_table, old.table) and holds_rank
+                             and old.ep_size == dist.get_world_size(group))],
+                        dtype=torch.int64, device=device)
+    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
+    if not int(same.item()):
+        raise RebalanceError("ranks disagree on the current placement (or a rank holds another "
+                             "rank's share, or ep_size is not the world size); nothing was changed")
+    return new0, mode0, frozenset(excl0)
+
+
+def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
+              checkpoint=None, exclude_sources: Iterable[int] = (), group=None) -> RebalanceReport:
+    """Move this rank of an expert-parallel model to placement `new`; collective.
+
+    Every rank of `group` calls it; rank 0's `new`, `mode` and `exclude_sources`
+    are used (other ranks may pass ``new=None``). `checkpoint` (default: the path
+    the model was loaded from) serves the experts taken from disk. Returns this
+    rank's report. Raises `RebalanceError` on every rank if any rank failed,
+    after every rank restored its old state.
+    """
+    old: Placement | None = getattr(model, "placement", None)
+    if old is None:
+        raise RebalanceError("the model has no placement: load it with load_rank_model")
+    if model.mode.name != "fixed":
+        raise RebalanceError(f"rebalance needs processing='fixed' (in-place, scoped); the model "
+                             f"uses {model.mode.name!r}")
+    layers = moe_layer_map(model)
+    device = next(iter(layers.values())).w13_weight.device
+    comm = comm_device(device, group)
+    rank = dist.get_rank(group)
+    report = RebalanceReport(rank=rank, mode=mode)
+    timer = _Timer(report.seconds, device)
+    t_start = t = time.perf_counter()
+
+    with model.reload_lock:
+        new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm,
+                                     holds_rank=getattr(model, "ep_rank", rank) == rank)
+        report.mode = mode
+        try:  # every rank has the same inputs, so every rank fails here alike
+            plan = RebalancePlan.build(old, new, mode, excluded)
+        except ValueError as e:
+            raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
+        mine = plan.ranks[rank]
+        report.slots_changed = mine.slots_changed
+        report.experts_local, report.experts_p2p, report.experts_disk = (
+            mine.count("local"), mine.count("peer"), mine.count("disk"))
+        report.experts_sent = sum(len(v) for v in mine.sends.values())
+        t = timer.mark("plan", t)
+
+        error: BaseException | None = None
+        backup: dict[int, tuple] = {}
+        chunks: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # layer -> [(experts, packed)]
+        send_bufs = {p: _alloc(layers, items, comm) for p, items in mine.sends.items()}
+        recv_bufs = {p: _alloc(layers, items, comm) for p, items in mine.recvs.items()}
+        try:
+            for lid, changed in mine.changed.items():
+                layer = layers[lid]
+                slots = sorted(changed)
+                backup[lid] = (slots, pack_slots(layer, slots),
+                               [p.data.clone() for p in _merged_scales(layer)])
+                local = [(e, f.src_slot) for e, f in mine.fetch[lid].items() if f.source == "local"]
+                if local:
+                    packed = pack_slots(layer, [s for _, s in local])
+                    chunks.setdefault(lid, []).append(([e for e, _ in local], packed))
+                    report.bytes_local += packed.numel()
+            for peer, items in mine.sends.items():
+                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
+                    pack_slots(layers[lid], part, out=buf)
+        except Exception as e:  # still take part in the exchange, then fail together
+            error = e
+        t = timer.mark("stage", t)
+
+        ops = []
+        for peer in sorted(set(send_bufs) | set(recv_bufs)):
+            if peer in send_bufs:
+                ops.append(dist.P2POp(dist.isend, send_bufs[peer], global_rank(group, peer), group))
+            if peer in recv_bufs:
+                ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], global_rank(group, peer), group))
+        works = dist.batch_isend_irecv(ops) if ops else []
+        report.bytes_sent = sum(b.numel() for b in send_bufs.values())
+        report.bytes_received = sum(b.numel() for b in recv_bufs.values())
+        t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
+
+        # Disk experts load while the exchange is in flight, through the new slot maps.
+        try:
+            if error is None:
+                for lid, layer in layers.items():
+                    layer.expert_slots = new.local_slots(lid, rank)
+                wanted = mine.disk_experts()
+                if wanted:
+                    path = checkpoint if checkpoint is not None else model.checkpoint_path
+                    rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
+                    report.disk_report = rep
+                    report.bytes_disk = rep.bytes_read
+            t = timer.mark("disk", t)
+        except Exception as e:
+            error = e
+        try:
+            for w in works:
+                w.wait()
+        except Exception as e:
+            error = error or e
+        t = timer.mark("exchange", t)
+
+        try:
+            if error is None:
+                for peer, items in mine.recvs.items():
+                    for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
+                        chunks.setdefault(lid, []).append((experts, buf))
+                for lid, changed in mine.changed.items():
+                    layer = layers[lid]
+                    for experts, packed in chunks.get(lid, []):
+                        dst, rows = [], []
+                        for i, e in enumerate(experts):
+                            for s in sorted(changed):
+                                if changed[s] == e:
+                                    dst.append(s)
+                                    rows.append(i)
+                        write_slots(layer, dst, packed, rows)
+                    refresh_merged_input_scales(layer)
+                    layer.weights_version += 1
+                if mine.changed:
+                    clear_kernel_caches(model)
+                synchronize(model)
+        except Exception as e:
+            error = e
+        t = timer.mark("commit", t)
+
+        failed = _gather_failures(error, group, comm)
+        if failed:
+            _restore(model, layers, backup, old, rank)
+            t = timer.mark("rollback", t)
+            here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
+            raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled back "
+                                 f"to the old placement{here}") from error
+        model.placement = new
+    report.seconds["total"] = time.perf_counter() - t_start
+    return report
+
+
+def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
+    return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
+
+
+def _alloc(layers, items, device) -> torch.Tensor:
+    """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
+    return torch.empty(sum(row_bytes(layers[lid]) for lid, _ in items), dtype=torch.uint8,
+                       device=device)
+
+
+def _segments(layers, items, buf: torch.Tensor):
+    """Split a peer buffer into per-layer runs: yields (layer, [slot|expert], packed view).
+
+    Items are ordered by layer (the plan appends them so), so each run is one
+    `pack_slots` block of consecutive bytes on both ends.
+    """
+    i = off = 0
+    while i < len(items):
+        lid = items[i][0]
+        j = i
+        while j < len(items) and items[j][0] == lid:
+            j += 1
+        n = (j - i) * row_bytes(layers[lid])
+        yield lid, [x for _, x in items[i:j]], buf[off:off + n]
+        off += n
+        i = j
+
+
+def _gather_failures(error, group, device) -> list[int]:
+    world = dist.get_world_size(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(flag) for _ in range(world)]
+    dist.all_gather(flags, flag, group=group)
+    return [r for r, f in enumerate(flags) if int(f.item())]
+
+
+def _restore(model, layers, backup, old: Placement, rank: int) -> None:
+    with torch.no_grad():
+        for lid, layer in layers.items():
+            layer.expert_slots = old.local_slots(lid, rank)
+        for lid, (slots, rows, scales) in backup.items():
+            layer = layers[lid]
+            write_slots(layer, slots, rows)
+            for p, saved in zip(_merged_scales(layer), scales):
+                p.data.copy_(saved)
+            layer.loaded_experts.clear()
+            layer.staged.clear()
+            layer.weights_version += 1
+    clear_kernel_caches(model)
+    synchronize(model)
+

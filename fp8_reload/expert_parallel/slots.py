@@ -1,0 +1,129 @@
+"""A rank's share of an expert-parallel model, and a slot's state as one row of bytes.
+
+A slot's complete post-processed state is: FP8 ``w13``/``w2`` weights,
+``w13_weight_scale[s]`` (both columns), ``w2_weight_scale[s]`` and, for FP8
+checkpoints, the raw per-expert input scales (``w*_input_scale_per_expert[s]``).
+`pack_slots` copies slots into a flat buffer and `write_slots` scatters one back
+in place, so Parameters keep their identity.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..errors import ReloadError
+from ..layers import FP8MoEModel, FusedMoE
+from ..processing import merge_input_scales_
+from ..reload import load_model
+from .placement import Placement
+
+
+class RebalanceError(ReloadError):
+    """A rebalance failed on some rank; every rank rolled back to the old placement."""
+
+
+def load_rank_model(path, placement: Placement, rank: int, device="cpu",
+                    processing: str = "fixed") -> FP8MoEModel:
+    """A fresh load of `rank`'s share of the model under `placement`."""
+    model = load_model(path, device=device, processing=processing, **placement.model_kwargs(rank))
+    model.placement = placement
+    model.ep_rank = rank
+    return model
+
+
+def moe_layer_map(model: FP8MoEModel) -> dict[int, FusedMoE]:
+    return {layer.layer_id: layer for _, layer in model.moe_layers()}
+
+
+def slot_tensors(layer: FusedMoE) -> list[torch.Tensor]:
+    """Every tensor of a layer indexed by local slot whose slice a slot owns.
+
+    The merged input scales (one value for the whole layer) are not among them:
+    they are recomputed from the raw per-expert buffers after a commit.
+    """
+    ts = [layer.w13_weight.data, layer.w2_weight.data,
+          layer.w13_weight_scale.data, layer.w2_weight_scale.data]
+    for name in ("w13_input_scale_per_expert", "w2_input_scale_per_expert"):
+        buf = getattr(layer, name, None)
+        if buf is not None:
+            ts.append(buf)
+    return ts
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """A `[slots, bytes]` uint8 view of `t` (writes go to `t`'s storage)."""
+    if not t.is_contiguous():
+        raise RebalanceError(f"slot tensor of shape {tuple(t.shape)} is not contiguous")
+    return t.reshape(t.shape[0], -1).view(torch.uint8)
+
+
+def row_bytes(layer: FusedMoE) -> int:
+    """Bytes of one slot's complete state."""
+    return sum(_rows(t).shape[1] for t in slot_tensors(layer))
+
+
+def _index(slots, device) -> torch.Tensor:
+    return torch.as_tensor(list(slots), dtype=torch.long).to(device)
+
+
+def pack_slots(layer: FusedMoE, slots: Sequence[int], out: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """Copy the complete state of `slots` into a flat uint8 buffer (`out` if given).
+
+    Tensor-major layout: for each slot tensor in turn, a contiguous
+    ``[len(slots), bytes]`` block, so packing and unpacking are one gather or
+    scatter per tensor, straight between the Parameters and the buffer.
+    """
+    dev = layer.w13_weight.device
+    k = len(slots)
+    if out is None:
+        out = torch.empty(k * row_bytes(layer), dtype=torch.uint8, device=dev)
+    idx = _index(slots, dev)
+    off = 0
+    for t in slot_tensors(layer):
+        rows = _rows(t)
+        n = k * rows.shape[1]
+        block = out[off:off + n].view(k, rows.shape[1])
+        if block.device == dev:
+            torch.index_select(rows, 0, idx, out=block)
+        else:
+            block.copy_(rows.index_select(0, idx))
+        off += n
+    return out
+
+
+def write_slots(layer: FusedMoE, slots: Sequence[int], packed: torch.Tensor,
+                rows: Sequence[int] | None = None) -> None:
+    """Scatter a `pack_slots` buffer into `slots` in place (Parameters keep their identity).
+
+    `packed` holds `k` slots; slot ``slots[i]`` takes packed row ``rows[i]``
+    (default: row i), so one received expert can fill several slots.
+    """
+    dev = layer.w13_weight.device
+    width = row_bytes(layer)
+    if packed.numel() % width:
+        raise RebalanceError(f"layer {layer.layer_id}: a buffer of {packed.numel()} bytes does "
+                             f"not hold whole slots of {width} bytes")
+    k = packed.numel() // width
+    packed = packed.to(dev)
+    dst = _index(slots, dev)
+    pick = None if rows is None or list(rows) == list(range(k)) else _index(rows, dev)
+    off = 0
+    for t in slot_tensors(layer):
+        view = _rows(t)
+        n = view.shape[1]
+        block = packed[off:off + k * n].view(k, n)
+        view.index_copy_(0, dst, block if pick is None else block.index_select(0, pick))
+        off += k * n
+
+
+def refresh_merged_input_scales(layer: FusedMoE) -> None:
+    """Layer-max input scales from the raw per-expert values, as a fresh load sets them."""
+    empty = torch.empty(0, dtype=torch.long)
+    for name in ("w13", "w2"):
+        raw = getattr(layer, f"{name}_input_scale_per_expert", None)
+        if raw is not None:
+            merge_input_scales_(getattr(layer, f"{name}_input_scale").data, raw, empty)
+

@@ -1,0 +1,53 @@
+"""Importing triton the right way for this machine, and helpers every Triton kernel shares.
+
+Without CUDA, Triton can only run in its interpreter: this module then sets
+``TRITON_INTERPRET=1`` before importing triton, so the same kernels run on CPU
+tensors in the tests. The interpreter's float -> FP8 conversion neither rounds
+ties to even nor carries a mantissa overflow into the exponent (124.7 becomes
+64), so under the interpreter the kernels round to the e4m3 grid in float32
+arithmetic first (``EXACT``); on a GPU the hardware conversion (RTNE,
+saturating) is used directly.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+if not torch.cuda.is_available() and "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402,F401  (re-exported for the kernel modules)
+
+
+def _interpreting() -> bool:
+    knobs = getattr(triton, "knobs", None)
+    if knobs is not None:
+        return bool(knobs.runtime.interpret)
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+
+
+INTERPRET = _interpreting()
+
+
+def check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cpu" and not INTERPRET:
+        raise RuntimeError("Triton kernels got CPU tensors but triton was imported without "
+                           "TRITON_INTERPRET=1 (set it before anything imports triton)")
+
+
+# The interpreter pays per program, not per element: give it many rows at once.
+INTERPRETER_ROWS = 64
+
+
+def pow2(n: int, lo: int = 16, hi: int = 128) -> int:
+    """`n` rounded up to a power of two, clamped to [lo, hi] (tile sizes)."""
+    return max(lo, min(hi, triton.next_power_of_2(max(int(n), 1))))
+
+
+def launch_opts(cfg: dict) -> dict:
+    """Compile options of a tile config; the interpreter takes none."""
+    return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}

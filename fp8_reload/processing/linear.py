@@ -1,0 +1,182 @@
+"""FP8 linear methods: sglang 0.5.23's Fp8LinearMethod (per tensor) and the fixed one."""
+
+from __future__ import annotations
+
+import torch
+from torch.nn import Parameter
+
+from .. import trace
+from ..layers import set_weight_attrs
+from ..quant import FP8_DTYPE, amax_scale, dequantize, quantize_dynamic, quantize_static, requantize
+from .ops import gather_to
+
+
+def _new_scale(n: int, device, fill: float, loader=None) -> Parameter:
+    p = Parameter(torch.full((n,), fill, dtype=torch.float32, device=device),
+                  requires_grad=False)
+    if loader is not None:
+        set_weight_attrs(p, {"weight_loader": loader})
+    return p
+
+
+def _shard_rows(layer, shard_id: int | None) -> tuple[int, int]:
+    if shard_id is None:
+        return 0, layer.output_size
+    return sum(layer.logical_widths[:shard_id]), layer.logical_widths[shard_id]
+
+
+@trace.range("fp8_reload/linear")
+def _linear_forward(x: torch.Tensor, w_kn: torch.Tensor, w_scale: torch.Tensor,
+                    a_scale: torch.Tensor | None) -> torch.Tensor:
+    """Reference W8A8 GEMM: x [M, K] bf16, w_kn [K, N] FP8, per-tensor or [1, N] scales."""
+    if a_scale is None:
+        xq, a_scale = quantize_dynamic(x)
+    else:
+        xq = quantize_static(x, a_scale)
+    y = dequantize(xq, a_scale) @ dequantize(w_kn, w_scale)
+    return y.to(torch.bfloat16)
+
+
+class UpstreamFp8LinearMethod:
+    """sglang 0.5.23 Fp8LinearMethod, per-tensor, on the CUTLASS (Hopper) branch.
+
+    Post-processing converts per-shard scales to per-channel ``[N, 1]`` and
+    replaces ``weight`` with a new Parameter holding the transposed view, so a
+    second pass transposes it back.
+    """
+
+    def __init__(self, fp8_checkpoint: bool):
+        self.fp8_checkpoint = fp8_checkpoint
+
+    def create_weights(self, layer, device=None):
+        dtype = FP8_DTYPE if self.fp8_checkpoint else torch.bfloat16
+        weight = Parameter(torch.empty(layer.output_size, layer.input_size, dtype=dtype,
+                                       device=device), requires_grad=False)
+        set_weight_attrs(weight, {"weight_loader": layer.weight_loader})
+        layer.register_parameter("weight", weight)
+        if self.fp8_checkpoint:
+            fmin = torch.finfo(torch.float32).min
+            n = len(layer.logical_widths)
+            layer.register_parameter("weight_scale", _new_scale(n, device, fmin, layer.weight_loader))
+            layer.register_parameter("input_scale", _new_scale(n, device, fmin, layer.weight_loader))
+        else:
+            layer.register_parameter("weight_scale", None)
+            layer.register_parameter("input_scale", None)
+
+    def load_linear(self, layer, param, loaded, shard_id):
+        if param is layer.weight:
+            start, rows = _shard_rows(layer, shard_id)
+            param.data.narrow(0, start, rows).copy_(loaded)
+        else:
+            param.data[0 if shard_id is None else shard_id] = loaded
+
+    def process_weights_after_loading(self, layer) -> None:
+        if self.fp8_checkpoint:
+            ws = layer.weight_scale
+            channel = torch.empty(layer.output_size, 1, dtype=torch.float32, device=ws.device)
+            if ws.dim() == 0:
+                channel.fill_(ws.item())
+            else:
+                start = 0
+                for i, width in enumerate(layer.logical_widths):
+                    channel[start:start + width, :] = ws[i]
+                    start += width
+            layer.weight = Parameter(layer.weight.data.t(), requires_grad=False)
+            layer.weight_scale = Parameter(channel, requires_grad=False)
+            layer.input_scale = Parameter(layer.input_scale.max(), requires_grad=False)
+        else:
+            w = layer.weight.data
+            scale = amax_scale(w, dims=(1,)).unsqueeze(1)  # per output row [N, 1]
+            qweight = quantize_static(w, scale)
+            layer.weight = Parameter(qweight.t(), requires_grad=False)
+            layer.weight_scale = Parameter(scale.t().contiguous(), requires_grad=False)
+            layer.input_scale = None
+
+    def apply(self, layer, x):
+        return _linear_forward(x, layer.weight, layer.weight_scale.reshape(1, -1),
+                               layer.input_scale)
+
+
+class FixedFp8LinearMethod:
+    """Identity-preserving Fp8LinearMethod.
+
+    The weight stays one Parameter; post-processing requantizes merged shards to
+    their max scale in place, fills the per-shard scales with it, and rebinds
+    ``weight.data`` to the transposed view of the same storage. The loader writes
+    through the checkpoint-layout view of that storage, and processing runs only
+    on a layer that received weights since it was last processed. A bf16
+    checkpoint is quantized on load: tensors are staged and quantized into the
+    FP8 storage by post-processing, so the Parameter never changes dtype.
+    """
+
+    def __init__(self, fp8_checkpoint: bool):
+        self.fp8_checkpoint = fp8_checkpoint
+
+    def create_weights(self, layer, device=None):
+        weight = Parameter(torch.empty(layer.output_size, layer.input_size, dtype=FP8_DTYPE,
+                                       device=device), requires_grad=False)
+        set_weight_attrs(weight, {"weight_loader": layer.weight_loader,
+                                  "quantize_on_load": not self.fp8_checkpoint})
+        layer.register_parameter("weight", weight)
+        n = len(layer.logical_widths)
+        if self.fp8_checkpoint:
+            fmin = torch.finfo(torch.float32).min
+            layer.register_parameter("weight_scale", _new_scale(n, device, fmin, layer.weight_loader))
+            layer.register_parameter("input_scale", _new_scale(n, device, fmin, layer.weight_loader))
+        else:
+            layer.register_parameter("weight_scale", _new_scale(n, device, 1.0))
+            layer.register_parameter("input_scale", None)
+        layer.kernel_layout = False  # weight.data is [out, in] until processed
+        layer.needs_processing = False
+        layer.staged = {}
+
+    @staticmethod
+    def checkpoint_view(layer) -> torch.Tensor:
+        w = layer.weight.data
+        return w.t() if layer.kernel_layout else w
+
+    def load_linear(self, layer, param, loaded, shard_id):
+        layer.needs_processing = True
+        if param is layer.weight:
+            if param.quantize_on_load:
+                layer.staged[shard_id] = loaded  # stays in host staging memory until processed
+                return
+            start, rows = _shard_rows(layer, shard_id)
+            self.checkpoint_view(layer).narrow(0, start, rows).copy_(loaded, non_blocking=True)
+        else:
+            param.data[0 if shard_id is None else shard_id].copy_(loaded, non_blocking=True)
+
+    def process_weights_after_loading(self, layer) -> None:
+        if not layer.needs_processing:
+            return
+        w = self.checkpoint_view(layer)
+        if self.fp8_checkpoint:
+            s = layer.weight_scale.data
+            m = s.max()
+            start = 0
+            for i, width in enumerate(layer.logical_widths):
+                if s[i] != m:
+                    rows = w.narrow(0, start, width)
+                    rows.copy_(requantize(rows, s[i], m))
+                start += width
+            s.fill_(m)
+            layer.input_scale.data.fill_(layer.input_scale.data.max())
+        else:
+            keys = [None] if len(layer.logical_widths) == 1 else list(range(len(layer.logical_widths)))
+            missing = [k for k in keys if k not in layer.staged]
+            if missing:
+                raise RuntimeError(f"quantize-on-load: shards {missing} of the layer were not loaded")
+            full = gather_to(w.device, [[layer.staged[k] for k in keys]])[0]
+            q, scale = quantize_dynamic(full)
+            w.copy_(q)
+            layer.weight_scale.data.fill_(scale)
+            layer.staged.clear()
+        if not layer.kernel_layout:
+            layer.weight.data = layer.weight.data.t()
+            layer.kernel_layout = True
+        layer.needs_processing = False
+
+    def apply(self, layer, x):
+        a = None if layer.input_scale is None else layer.input_scale[0]
+        return _linear_forward(x, layer.weight, layer.weight_scale[0], a)
+

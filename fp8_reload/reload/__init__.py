@@ -1,0 +1,14 @@
+"""`load_model` and `update_weights_from_disk`: a reload is a transaction.
+
+    filters      EPLB's weight-name filters, reload units, the model's expected layout
+    plan         open and check the checkpoint, select tensors, read and validate them
+    backup       copies of what commit may change, and the rollback
+    transaction  the entry points: plan -> stage -> backup -> commit -> post-process
+"""
+
+from .backup import BACKUP_PLACES
+from .filters import NameFilter, eplb_filter, generate_weight_name_filter
+from .transaction import ReloadReport, load_model, update_weights_from_disk
+
+__all__ = ["BACKUP_PLACES", "NameFilter", "ReloadReport", "eplb_filter",
+           "generate_weight_name_filter", "load_model", "update_weights_from_disk"]

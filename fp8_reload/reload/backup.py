@@ -1,0 +1,172 @@
+"""The reload's backup: everything commit may change, copied first, restored on failure.
+
+The copies are bounded by the reload: for a FusedMoE only the reloaded expert
+slots of the two big weights, everything else of a touched module whole. On a
+GPU model they go to a pinned host arena as async device-to-host copies that
+the stream orders before the commit's writes.
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from ..checkpoint import staging
+from ..device import on_cuda, synchronize
+from ..errors import RollbackError
+from ..layers import FusedMoE
+from ..quant import index_copy_
+
+_STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
+# "host": copies in CPU memory (no device memory needed); "device": copies next to
+# the weights (fast on a GPU, costs `backup_bytes` of device memory).
+BACKUP_PLACES = ("host", "device")
+
+
+class Backup:
+    """Everything commit and post-processing may change, bounded by the reload.
+
+    Parameter objects (a failing upstream processing may have replaced them),
+    each Parameter's `.data` tensor (rebinding), small per-module state, and
+    host copies of the bytes: for a FusedMoE only the expert slots being
+    reloaded of the two big weights, everything else of a touched module whole.
+    """
+
+    def __init__(self, where: str = "host"):
+        if where not in BACKUP_PLACES:
+            raise ValueError(f"backup must be one of {', '.join(BACKUP_PLACES)}, got {where!r}")
+        self.where = where
+        self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
+        self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.nbytes = 0
+
+    def _copy(self, tensor: torch.Tensor, index: torch.Tensor | None) -> None:
+        self.pending.append((tensor, index))
+
+    def run(self, arena=None) -> None:
+        """Make the copies planned by `capture`. With `arena` (host backups of a GPU
+        model) they go into its pinned memory as async device-to-host copies, which
+        the stream orders before the commit's writes."""
+        sizes = [(t.numel() if i is None else i.numel() * t[0].numel()) * t.element_size()
+                 for t, i in self.pending]
+        if arena is not None:
+            arena.reset(sum(staging.aligned(n) for n in sizes))
+        for (tensor, index), n in zip(self.pending, sizes):
+            src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
+            if arena is not None:
+                copy = staging.typed_slice(arena, src.dtype, src.shape)
+                copy.copy_(src, non_blocking=True)
+            elif self.where == "host":
+                copy = src.to("cpu", copy=index is None)
+            else:
+                copy = src.clone() if index is None else src
+            self.copies.append((tensor, index, copy))
+            self.nbytes += n
+        self.pending = []
+
+    def capture(self, module: nn.Module, slots: list[int] | None) -> None:
+        params = dict(module._parameters)
+        buffers = dict(module._buffers)
+        datas = {k: p.data for k, p in params.items() if p is not None}
+        state = {k: getattr(module, k) for k in _STATE_ATTRS if hasattr(module, k)}
+        if hasattr(module, "staged"):  # {key: tensor} or {slot: {shard: tensor}}
+            state["staged"] = {k: dict(v) if isinstance(v, dict) else v
+                               for k, v in module.staged.items()}
+        if isinstance(module, FusedMoE):
+            state["loaded_experts"] = set(module.loaded_experts)
+        self.modules.append((module, params, buffers, datas, state))
+        index = torch.tensor(slots, dtype=torch.long) if slots is not None else None
+        for name, p in params.items():
+            if p is None:
+                continue
+            big = isinstance(module, FusedMoE) and name in ("w13_weight", "w2_weight")
+            self._copy(p.data, index if big else None)
+        for buf in buffers.values():
+            if buf is not None:
+                self._copy(buf, None)
+
+    def restore(self) -> None:
+        """Objects and small state first (cannot fail), then the bytes."""
+        for module, params, buffers, datas, state in self.modules:
+            for k, p in params.items():
+                module._parameters[k] = p
+                if p is not None:
+                    p.data = datas[k]
+            module._buffers.clear()
+            module._buffers.update(buffers)
+            for k, v in state.items():
+                setattr(module, k, v)
+        with torch.no_grad():
+            for tensor, index, host in self.copies:
+                if index is None:
+                    tensor.copy_(host)
+                else:
+                    index_copy_(tensor, 0, index.to(tensor.device), host.to(tensor.device))
+
+
+def capture_backup(model, names: list[str], process_all: bool,
+                   where: str = "host") -> Backup:
+    slots: dict[str, set[int]] = {}
+    modules = dict(model.named_modules())
+    for n in names:
+        _, module_name, kw = model.resolve(n)
+        s = slots.setdefault(module_name, set())
+        if "expert_id" in kw:
+            s.update(modules[module_name].local_slots(kw["expert_id"]))
+    backup = Backup(where)
+    targets = set(slots)
+    if process_all:
+        targets |= {name for name, _ in model.quantized_modules()}
+    for name in sorted(targets):
+        module = modules[name]
+        whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
+                 or len(slots[name]) == module.num_local_experts)
+        backup.capture(module, None if whole else sorted(slots[name]))
+    gpu_host = where == "host" and on_cuda(model)
+    backup.run(staging.arena(model, "backup") if gpu_host else None)
+    return backup
+
+
+@contextmanager
+def sigint_deferred():
+    """Hold Ctrl-C while restoring a backup (main thread only), re-raise it after.
+
+    A handler not installed from Python (`signal.signal` returns None) cannot be
+    put back, so then nothing is deferred.
+    """
+    received = []
+    old = None
+    if threading.current_thread() is threading.main_thread():
+        try:
+            old = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        except (ValueError, OSError):  # not the main interpreter, or no signals here
+            old = None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.signal(signal.SIGINT, old)
+    if received:
+        raise KeyboardInterrupt
+
+
+def roll_back(model, backup: Backup, fault: BaseException, ckpt, doing: str) -> None:
+    """Restore the backup; RollbackError (and mark the model) if that fails too."""
+    try:
+        with sigint_deferred():
+            backup.restore()
+            synchronize(model)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as e:
+        reason = (f"reload from {ckpt.path} failed while {doing} ({type(fault).__name__}: {fault}) "
+                  f"and restoring the backup failed too ({type(e).__name__}: {e})")
+        model.weights_undefined = reason
+        raise RollbackError(f"{reason}: the model's weights are undefined; reload it fully "
+                            "(weight_name_filter=None) to repair it") from e
+

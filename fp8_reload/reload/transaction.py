@@ -1,0 +1,230 @@
+"""`load_model` and `update_weights_from_disk`: plan, stage, back up, commit, post-process.
+
+A reload is a transaction:
+
+1. plan: open the checkpoint (config, index, headers), check it fits the
+   model, resolve the filter, check every selected tensor's shape and dtype
+   from the headers;
+2. stage ("read"): read every selected tensor to host memory and validate it
+   (shape, dtype, finite positive scales). Nothing in the model is written
+   before this has fully succeeded; any failure up to here raises a
+   `ReloadError` subclass and the model was never touched;
+3. backup: host copies of what commit may change, bounded by the reload
+   (the reloaded expert slots of the big MoE weights, whole small tensors);
+4. commit ("wait", "load", "process"): take the weights lock exclusively
+   (forwards drain, see `locks.py`), load through the parameters' own
+   `weight_loader`s, post-process. If anything fails here, a device error or a
+   KeyboardInterrupt, the backup is restored (Ctrl-C is deferred while
+   restoring), so the model is bit-identical to before, and `CommitError` is
+   raised (KeyboardInterrupt propagates as is). If the restore itself fails,
+   `RollbackError` says so and only a full reload is accepted afterwards.
+
+`ReloadReport` gives `staged_bytes` and `backup_bytes` (the memory the
+transaction costs) and per-phase `seconds`.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass, field
+
+import torch
+
+from .. import trace
+from ..checkpoint import Checkpoint
+from ..device import synchronize
+from ..errors import CommitError, ReloadError, RollbackError
+from ..kernels.scales import clear_kernel_caches
+from ..layers import FP8MoEModel
+from ..processing import get_mode, process_modules
+from .backup import BACKUP_PLACES, capture_backup, roll_back
+from .filters import NameFilter, experts_by_layer
+from .plan import check_compatible, nothing_written, open_checkpoint, plan, stage
+
+
+@dataclass
+class ReloadReport:
+    """What one load or reload did. `seconds` holds per-phase wall times."""
+
+    mode: str
+    full: bool
+    tensors_loaded: int = 0
+    bytes_read: int = 0
+    files_opened: int = 0
+    modules_processed: list[str] = field(default_factory=list)
+    experts_reloaded: dict[int, list[int]] = field(default_factory=dict)
+    staged_bytes: int = 0  # host memory holding the validated tensors before commit
+    backup_bytes: int = 0  # memory holding the copies a failed commit is restored from
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def summary(self) -> str:
+        phases = ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in self.seconds.items())
+        n_exp = sum(len(v) for v in self.experts_reloaded.values())
+        return (f"[{self.mode}] {'full' if self.full else 'filtered'} reload: "
+                f"{self.tensors_loaded} tensors, {self.bytes_read / 2**20:.2f} MiB read from "
+                f"{self.files_opened} files, {n_exp} experts, "
+                f"{len(self.modules_processed)} modules processed, "
+                f"staged {self.staged_bytes / 2**20:.2f} MiB, "
+                f"backup {self.backup_bytes / 2**20:.2f} MiB ({phases})")
+
+
+class _Timer:
+    def __init__(self, seconds: dict):
+        self.seconds = seconds
+
+    @contextmanager
+    def phase(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            with trace.phase(name):
+                yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+class _Progress:
+    """What commit is doing right now, for the error message."""
+
+    def __init__(self):
+        self.doing = "loading weights"
+
+    def loading(self, staged):
+        for name, tensor in staged:
+            self.doing = f"loading tensor {name!r}"
+            yield name, tensor
+
+
+@trace.range("fp8_reload/reload")
+def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameFilter | None = None,
+                             *, scan_all: bool | None = None,
+                             postprocess_all: bool | None = None,
+                             backup: str = "host") -> ReloadReport:
+    """Reload weights of `model` in place from the checkpoint at `path`.
+
+    `weight_name_filter` (checkpoint name -> bool) limits the reload, e.g. to the
+    experts EPLB moves (`generate_weight_name_filter`). In ``fixed`` mode a
+    matched tensor pulls in the rest of its expert or module, only the shards
+    holding selected tensors are opened, only selected tensors are read, and
+    only modules that received weights are post-processed. `scan_all` and
+    `postprocess_all` override the mode's read and processing scope (the
+    benchmarks use them to time upstream behaviour on a working model).
+    `backup` is where the rollback copies live: "host" (default) or "device".
+
+    Forwards keep running while the checkpoint is read; they wait only while
+    weights are written (see `locks.py`). Concurrent reloads run one at a time.
+
+    Raises a `ReloadError` subclass naming the file/tensor and the cause; the
+    model is then exactly as it was (except `RollbackError`, see errors.py).
+    """
+    if weight_name_filter is not None and not callable(weight_name_filter):
+        raise TypeError(f"weight_name_filter must be a callable (name -> bool) or None, "
+                        f"got {type(weight_name_filter).__name__}")
+    if backup not in BACKUP_PLACES:
+        raise ValueError(f"backup must be one of {', '.join(BACKUP_PLACES)}, got {backup!r}")
+    mode = model.mode
+    scan_all = mode.scan_all if scan_all is None else scan_all
+    process_all = mode.postprocess_all if postprocess_all is None else postprocess_all
+    report = ReloadReport(mode=mode.name, full=weight_name_filter is None)
+    timer = _Timer(report.seconds)
+    t0 = time.perf_counter()
+    with model.reload_lock:
+        undefined = getattr(model, "weights_undefined", None)
+        if undefined and weight_name_filter is not None:
+            raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
+                                "(weight_name_filter=None) can repair the model")
+        stats: dict = {}
+        with nothing_written(path):
+            with timer.phase("plan"):
+                ckpt = open_checkpoint(model, path)
+                check_compatible(model, ckpt)
+                names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+            with timer.phase("read"):
+                staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
+            report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+            with timer.phase("backup"):
+                saved = capture_backup(model, [n for n, _ in staged], process_all, backup)
+            report.backup_bytes = saved.nbytes
+        progress = _Progress()
+        with ExitStack() as held:
+            with timer.phase("wait"):  # running forwards finish; new ones queue
+                try:
+                    held.enter_context(model.weights_lock.write())
+                except RuntimeError as e:  # a reload from inside a forward of this model
+                    raise ReloadError(f"{ckpt.path}: {e}; nothing was written") from e
+            try:
+                with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
+                    progress.doing = "waiting for running forwards"
+                    synchronize(model)
+                with timer.phase("load"):
+                    touched = None
+                    with torch.no_grad():
+                        touched = model.load_weights(progress.loading(staged))
+                    synchronize(model)
+                with timer.phase("process"):
+                    if process_all:
+                        todo = list(model.quantized_modules())
+                    else:
+                        todo = [(n, m) for n, m in model.quantized_modules() if n in touched]
+                    with torch.no_grad():
+                        for item in todo:
+                            progress.doing = f"post-processing module {item[0]!r}"
+                            report.modules_processed += process_modules([item])
+                    synchronize(model)
+            except BaseException as fault:
+                with timer.phase("restore"):
+                    roll_back(model, saved, fault, ckpt, progress.doing)
+                if not isinstance(fault, Exception):
+                    raise  # KeyboardInterrupt / SystemExit: model restored, propagate as is
+                err = CommitError(f"reload from {ckpt.path} failed while {progress.doing} and was "
+                                  f"rolled back, the model is unchanged: {type(fault).__name__}: {fault}")
+                err.report = report
+                raise err from fault
+            finally:
+                clear_kernel_caches(model)
+    model.weights_undefined = None
+    report.tensors_loaded = len(staged)
+    report.bytes_read = stats["bytes_read"]
+    report.files_opened = stats["files_opened"]
+    report.experts_reloaded = experts_by_layer(n for n, _ in staged)
+    report.seconds["total"] = time.perf_counter() - t0
+    model.checkpoint_path = ckpt.path
+    return report
+
+
+@trace.range("fp8_reload/load_model")
+def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
+    """Build the model a checkpoint describes on `device` and load it (a fresh load)."""
+    mode = get_mode(processing)
+    ckpt = Checkpoint(path)
+    try:
+        model = FP8MoEModel(ckpt.config, mode, ckpt.kind, device=device, **moe_kwargs)
+    except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
+        raise ReloadError(f"{ckpt.path}: cannot build the model config.json describes on "
+                          f"{device}: {type(e).__name__}: {e}") from e
+    model.eval()
+    report = ReloadReport(mode=mode.name, full=True)
+    timer = _Timer(report.seconds)
+    t0 = time.perf_counter()
+    stats: dict = {}
+    with nothing_written(ckpt.path):
+        with timer.phase("plan"):
+            names = plan(model, ckpt, None, False)
+        with timer.phase("read"):
+            staged = stage(model, ckpt, names, None, False, stats)
+    report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+    try:
+        with timer.phase("load"), torch.no_grad():
+            model.load_weights(staged)
+        with timer.phase("process"), torch.no_grad():
+            report.modules_processed = process_modules(list(model.quantized_modules()))
+        synchronize(model)
+    except Exception as e:
+        raise ReloadError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
+    report.tensors_loaded = len(staged)
+    report.bytes_read = stats["bytes_read"]
+    report.files_opened = stats["files_opened"]
+    report.seconds["total"] = time.perf_counter() - t0
+    model.checkpoint_path = ckpt.path
+    model.load_report = report
+    return model

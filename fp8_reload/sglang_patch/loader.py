@@ -1,0 +1,127 @@
+"""The loader / updater half of the fix: a filtered reload reads only what the filter
+selects and post-processes only the modules whose loaders ran.
+
+Replaces ``WeightUpdater.update_weights_from_disk`` (makes its filter visible for
+the call), ``DefaultModelLoader._get_weights_iterator`` (with a filter: reads only
+matching tensors) and ``DefaultModelLoader.load_weights_and_postprocess`` (with a
+filter: post-processes only the modules that received weights).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+
+from .originals import ACTIVE_FILTER, original
+
+
+def update_weights_from_disk(self, model_path, load_format, weight_name_filter=None,
+                             recapture_cuda_graph=False):
+    token = ACTIVE_FILTER.set(weight_name_filter)
+    try:
+        return original("WeightUpdater", "update_weights_from_disk")(
+            self, model_path, load_format, weight_name_filter=weight_name_filter,
+            recapture_cuda_graph=recapture_cuda_graph)
+    finally:
+        ACTIVE_FILTER.reset(token)
+
+
+def get_weights_iterator(self, source, **kwargs):
+    from sglang.srt.configs.load_config import LoadFormat
+
+    sglang_iterator = original("DefaultModelLoader", "_get_weights_iterator")
+    flt = ACTIVE_FILTER.get()
+    if (flt is None or kwargs.get("resolved_source") is not None
+            or self.load_config.load_format not in (LoadFormat.AUTO, LoadFormat.SAFETENSORS)
+            or self.load_config.draft_model_idx is not None):
+        return sglang_iterator(self, source, **kwargs)
+    folder, files, use_safetensors = self._prepare_weights(
+        source.model_or_path, source.revision, source.fall_back_to_pt,
+        source.allow_patterns_overrides)
+    if not use_safetensors:
+        return sglang_iterator(self, source, **kwargs)
+    return read_matching_safetensors(folder, files, source.prefix, flt)
+
+
+def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], bool]):
+    """Yield (prefix + name, tensor) for the tensors `flt` selects, reading nothing else.
+
+    With an index file, shards holding no selected tensor are not even opened.
+    """
+    from safetensors import safe_open
+
+    index = Path(folder) / "model.safetensors.index.json"
+    wanted: dict[str, list[str]] = {}
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        by_name = {Path(f).name: f for f in files}
+        for name, fname in weight_map.items():
+            if fname in by_name and flt(prefix + name):
+                wanted.setdefault(by_name[fname], []).append(name)
+    else:
+        for f in files:
+            with safe_open(f, framework="pt", device="cpu") as st:
+                wanted[f] = [n for n in st.keys() if flt(prefix + n)]
+    for f in sorted(wanted):
+        with safe_open(f, framework="pt", device="cpu") as st:
+            for name in wanted[f]:
+                yield prefix + name, st.get_tensor(name)
+
+
+@contextmanager
+def record_loaded_modules(model):
+    """Yield a set that collects the quantized modules whose parameters' loaders run."""
+    from sglang.srt.model_loader.loader import _modules_with_quant_method
+
+    touched: set[int] = set()
+    wrapped = []
+    for module, _ in _modules_with_quant_method(model):
+        for param in module._parameters.values():
+            if param is None:
+                continue
+            attr = next((a for a in ("_weight_loader", "weight_loader") if a in param.__dict__), None)
+            if attr is None:
+                continue
+            loader = param.__dict__[attr]
+
+            def recording(*args, _loader=loader, _module=module, **kw):
+                touched.add(id(_module))
+                return _loader(*args, **kw)
+
+            wrapped.append((param, attr, loader))
+            param.__dict__[attr] = recording
+    try:
+        yield touched
+    finally:
+        for param, attr, loader in wrapped:
+            param.__dict__[attr] = loader
+
+
+def load_weights_and_postprocess(model, weights, target_device):
+    from sglang.srt.layers.quantization.base_config import QuantizeMethodBase
+    from sglang.srt.model_loader.loader import (
+        DefaultModelLoader,
+        QuantizedRLModelLoader,
+        _modules_with_quant_method,
+        device_loading_context,
+    )
+
+    if ACTIVE_FILTER.get() is None:
+        return original("DefaultModelLoader", "load_weights_and_postprocess")(
+            model, weights, target_device)
+    with record_loaded_modules(model) as touched:
+        DefaultModelLoader.load_weights_only(model, weights, target_device)
+    if QuantizedRLModelLoader.is_reload_scenario(model):
+        return None
+    for module, quant_method in _modules_with_quant_method(model):
+        # A method whose layout sglang undid before loading must redo it.
+        undone = (isinstance(quant_method, QuantizeMethodBase)
+                  and type(quant_method).restore_weights_before_loading
+                  is not QuantizeMethodBase.restore_weights_before_loading)
+        if id(module) in touched or undone:
+            with device_loading_context(module, target_device):
+                quant_method.process_weights_after_loading(module)
+    return None
+

@@ -1,0 +1,176 @@
+"""The fp8.py / FusedMoE half of the fix: sglang's Fp8MoEMethod per-tensor branch in place.
+
+Replaces ``Fp8MoEMethod.create_weights`` (bf16 checkpoints: FP8 storage from the
+start), ``FusedMoE._weight_loader_impl`` (records the slots written; stages bf16
+experts), ``Fp8MoEMethod.process_weights_after_loading`` (in place, only the
+experts loaded since the last processing), ``get_triton_quant_info``
+(contiguous ``[E]`` scale) and ``apply`` (DeepGEMM: ``[E, 2]`` collapsed before
+the block expansion). Layers this does not cover keep sglang's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+from torch.nn import Parameter
+
+from ..kernels.scales import BLOCK, collapse_w13_scale, expand_block_scales
+from ..processing.ops import chunks, merge_input_scales_, quantize_experts_, requantize_w13_to_expert_max_
+from ..quant import FP8_DTYPE
+from .originals import original
+
+
+def per_tensor_block_scales(scale: torch.Tensor, weight_shape, block: int = BLOCK) -> torch.Tensor:
+    """Per-expert scales ([E], or [E, 2] with equal columns) as DeepGEMM's
+    ``[E, ceil(N / block), ceil(K / block)]`` block scales."""
+    _, n, k = weight_shape
+    return expand_block_scales(collapse_w13_scale(scale), n, k, block)
+
+
+def handles(method, layer) -> bool:
+    """Whether the layer runs the per-tensor path this patch fixes."""
+    from sglang.srt.layers.moe.utils import get_moe_runner_backend
+    from sglang.srt.layers.quantization import fp8
+
+    if not isinstance(method, fp8.Fp8MoEMethod) or not hasattr(layer, "_fp8r_loaded"):
+        return False
+    if method.block_quant or method.is_fp4_expert or not layer.moe_runner_config.is_gated:
+        return False
+    if fp8._is_hip or fp8._is_cpu or fp8._is_fp8_fnuz:
+        return False
+    backend = get_moe_runner_backend()
+    if backend.is_flashinfer_trtllm() or backend.is_flashinfer_trtllm_routed() or backend.is_hpc_ops():
+        return False
+    if not method.quant_config.is_checkpoint_fp8_serialized:
+        return getattr(layer, "_fp8r_fp8_storage", False)  # built with the patch applied
+    return True
+
+
+def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_partition,
+                    params_dtype, with_bias=False, **extra_weight_attrs):
+    original("Fp8MoEMethod", "create_weights")(
+        self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
+        with_bias=with_bias, **extra_weight_attrs)
+    layer._fp8r_loaded = set()
+    layer._fp8r_processed = False
+    if self.quant_config.is_checkpoint_fp8_serialized or self.block_quant or self.is_fp4_expert:
+        return
+    # bf16 checkpoint quantized on load: FP8 storage now, bf16 only in staging.
+    layer._fp8r_fp8_storage = True
+    layer._fp8r_staged = {}
+    if handles(self, layer):
+        for p in (layer.w13_weight, layer.w2_weight):
+            p.data = torch.empty(p.shape, dtype=FP8_DTYPE, device=p.device)
+    else:
+        layer._fp8r_fp8_storage = False
+
+
+def _staging_param(layer, param, slot: int) -> Parameter:
+    """A one-expert bf16 Parameter sglang's own loader can write into (TP slicing,
+    gate/up halves), carrying the attributes of the real one."""
+    entry = layer._fp8r_staged.setdefault(slot, {"shards": set()})
+    key = "w13" if param is layer.w13_weight else "w2"
+    if key not in entry:
+        entry[key] = torch.empty(param.shape[1:], dtype=layer.params_dtype, device=param.device)
+    staged = Parameter(entry[key].unsqueeze(0), requires_grad=False)
+    staged.__dict__.update(param.__dict__)
+    return staged
+
+
+def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert_id):
+    impl = original("FusedMoE", "_weight_loader_impl")
+    if not handles(self.quant_method, self):
+        return impl(self, param, loaded_weight, weight_name, shard_id, expert_id)
+    self._fp8r_loaded.add(int(expert_id))
+    if getattr(self, "_fp8r_fp8_storage", False) and (param is self.w13_weight or param is self.w2_weight):
+        staged = _staging_param(self, param, int(expert_id))
+        impl(self, staged, loaded_weight, weight_name, shard_id, 0)
+        self._fp8r_staged[int(expert_id)]["shards"].add(shard_id)
+        return None
+    return impl(self, param, loaded_weight, weight_name, shard_id, expert_id)
+
+
+def _per_expert_input_scale(layer, name: str) -> torch.Tensor:
+    """Per-expert static input scales as loaded (the Parameter holds their max)."""
+    buf_name = f"{name}_per_expert"
+    buf = getattr(layer, buf_name, None)
+    if buf is None:
+        param = getattr(layer, name)
+        buf = torch.ones(param.shape[0], dtype=torch.float32, device=param.device)
+        layer.register_buffer(buf_name, buf, persistent=False)
+    return buf
+
+
+def process_weights_after_loading(self, layer) -> None:
+    if not handles(self, layer):
+        return original("Fp8MoEMethod", "process_weights_after_loading")(self, layer)
+    if self.quant_config.is_checkpoint_fp8_serialized:
+        first = not layer._fp8r_processed
+        slots = range(layer.num_local_experts) if first else sorted(layer._fp8r_loaded)
+        experts = torch.tensor(list(slots), dtype=torch.long)
+        if self.quant_config.activation_scheme == "static":
+            if layer.w13_input_scale is None or layer.w2_input_scale is None:
+                raise ValueError("static activation scheme, but the layer has no input scales")
+            for name in ("w13_input_scale", "w2_input_scale"):
+                merge_input_scales_(getattr(layer, name).data, _per_expert_input_scale(layer, name),
+                                    experts)
+        requantize_w13_to_expert_max_(layer.w13_weight.data, layer.w13_weight_scale.data, experts,
+                                      layer.intermediate_size_per_partition)
+    else:
+        _quantize_staged(layer)
+    layer._fp8r_loaded.clear()
+    layer._fp8r_processed = True
+    dispatcher = getattr(layer, "dispatcher", None)
+    if dispatcher is not None:  # the dispatcher learns the weight dtype from processing
+        declared = getattr(getattr(layer, "w13_kernel", None), "DISPATCHER_QUANT_CONFIG", None)
+        dispatcher.set_quant_config(declared or {"weight_dtype": layer.w13_weight.dtype,
+                                                 "use_mxfp8": self.use_mxfp8})
+    return None
+
+
+def _quantize_staged(layer) -> None:
+    """Quantize staged bf16 experts into the FP8 storage: one dynamic scale per expert."""
+    staged = layer._fp8r_staged
+    partial = sorted(s for s, e in staged.items() if e["shards"] != {"w1", "w2", "w3"})
+    if partial:
+        raise RuntimeError(f"{layer.layer_name}: quantize-on-load: experts (local slots) {partial} "
+                           "were loaded only in part; reload whole experts")
+    slots = torch.tensor(sorted(staged), dtype=torch.long)
+    for idx in chunks(slots, layer.w13_weight[0].numel() * 4):  # float32 bytes of one expert
+        chunk = idx.tolist()
+        quantize_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, idx,
+                          torch.stack([staged[s]["w13"] for s in chunk]))
+        quantize_experts_(layer.w2_weight.data, layer.w2_weight_scale.data, idx,
+                          torch.stack([staged[s]["w2"] for s in chunk]))
+    staged.clear()
+
+
+def get_triton_quant_info(self, layer):
+    info = original("Fp8MoEMethod", "get_triton_quant_info")(self, layer)
+    if not handles(self, layer):
+        return info
+    a13, a2 = layer.w13_input_scale, layer.w2_input_scale
+    return dataclasses.replace(
+        info, w13_scale=collapse_w13_scale(layer.w13_weight_scale),
+        a13_scale=None if a13 is None else a13.max(), a2_scale=None if a2 is None else a2.max())
+
+
+def deepgemm_quant_info(method, layer):
+    """DeepGEMM's quant info for the per-tensor layout: [E, 2] collapsed, then blocks."""
+    from sglang.srt.layers.moe.moe_runner.deep_gemm import DeepGemmMoeQuantInfo
+
+    return DeepGemmMoeQuantInfo(
+        w13_weight=layer.w13_weight, w2_weight=layer.w2_weight, use_fp8=True,
+        w13_scale=per_tensor_block_scales(layer.w13_weight_scale, layer.w13_weight.shape),
+        w2_scale=per_tensor_block_scales(layer.w2_weight_scale, layer.w2_weight.shape),
+        block_shape=[BLOCK, BLOCK], is_fp4_experts=method.is_fp4_expert,
+        use_mxfp8=method.use_mxfp8)
+
+
+def apply(self, layer, dispatch_output):
+    runner = getattr(self, "runner", None)
+    if runner is not None and runner.runner_backend.is_deep_gemm() and handles(self, layer):
+        return runner.run(dispatch_output, deepgemm_quant_info(self, layer))
+    return original("Fp8MoEMethod", "apply")(self, layer, dispatch_output)
+

@@ -1,0 +1,16 @@
+"""Small, sharp helpers shared by tests, benchmarks and tools (in the spirit of deep_gemm.testing).
+
+    numeric    calc_diff, bitwise comparison naming the first differing coordinate
+    bench      CUDA-event / graph / profiler timing, interleaved comparisons
+    workloads  synthetic MoE layers, routed tokens, grouped-GEMM operands, FLOP counts
+    reference  a float32 reference forward of the whole model
+"""
+
+from ..device import synchronize
+from .bench import capture_graph, cuda_time_ms, flush_l2, interleaved_ms, kernel_time_ms, tflops
+from .numeric import assert_bitwise_equal, calc_diff, count_bytes, first_difference
+from .workloads import moe_flop, routed_tokens, synthetic_moe_layer, v2_lite_moe
+
+__all__ = ["assert_bitwise_equal", "calc_diff", "capture_graph", "count_bytes", "cuda_time_ms",
+           "first_difference", "flush_l2", "interleaved_ms", "kernel_time_ms", "moe_flop",
+           "routed_tokens", "synchronize", "synthetic_moe_layer", "tflops", "v2_lite_moe"]

@@ -1,0 +1,140 @@
+"""Timing on a GPU: CUDA events, graph replay, profiler kernel time, interleaved comparisons.
+
+`cuda_time_ms` brackets each call with CUDA events after an optional L2 flush
+and takes the median (what a caller waits, launch overhead included);
+`kernel_time_ms` sums the durations of the GPU kernels the profiler saw per
+call (DeepGEMM's bench_kineto idea: no launch gaps, no host work). On CPU the
+same calls fall back to `time.perf_counter`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..device import synchronize
+
+
+def flush_l2(buf: torch.Tensor | None) -> None:
+    """Overwrite `buf` (sized above the L2) so the next call starts with a cold cache."""
+    if buf is not None:
+        buf.zero_()
+
+
+def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
+                 flush_mb: int = 0, device="cuda") -> float:
+    """Median wall time of one call on the GPU stream, CUDA events around each call.
+
+    With `flush_mb`, that many MiB are zeroed before each call (outside the
+    events) so the call starts with a cold L2. On CPU: median perf_counter time.
+    """
+    if not str(device).startswith("cuda"):
+        times = []
+        for _ in range(warmup + iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(times[warmup:])
+    buf = torch.empty(flush_mb << 18, dtype=torch.float32, device="cuda") if flush_mb else None
+    for _ in range(warmup):
+        fn()
+    pairs = []
+    for _ in range(iters):
+        flush_l2(buf)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        pairs.append((start, end))
+    synchronize()
+    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+
+
+def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, output) with `fn` captured after a warm-up on a side stream; replay the graph
+    to rerun `fn` with no CPU work (how engines run decode-sized MoE layers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+def interleaved_ms(fns: dict[str, Callable[[], object]], rounds: int = 15, calls: int = 4,
+                   device="cuda") -> dict[str, float]:
+    """Median ms per call of each fn, measured in alternating batches of `calls` calls.
+
+    For comparisons a few percent apart: alternating cancels clock and
+    thermal drift that back-to-back medians would attribute to one side.
+    """
+    cuda = str(device).startswith("cuda")
+    for fn in fns.values():
+        fn()
+    samples: dict[str, list] = {k: [] for k in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                for _ in range(calls):
+                    fn()
+                end.record()
+                samples[name].append((start, end))
+            else:
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    fn()
+                samples[name].append((time.perf_counter() - t0) * 1e3)
+    if cuda:
+        synchronize()
+        return {k: statistics.median(s.elapsed_time(e) for s, e in v) / calls
+                for k, v in samples.items()}
+    return {k: statistics.median(v) / calls for k, v in samples.items()}
+
+
+def kernel_time_ms(fn: Callable[[], object], iters: int = 10,
+                   match: Callable[[str], bool] | None = None,
+                   device="cuda") -> tuple[float, float]:
+    """(GPU kernel time per call in ms, kernels per call) from the PyTorch profiler.
+
+    Sums the device durations of the kernels (optionally only those whose name
+    `match`es) launched during `iters` calls, after one untimed call. NaN on CPU.
+    """
+    if not str(device).startswith("cuda"):
+        return float("nan"), float("nan")
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        synchronize()
+    total_us, count = 0.0, 0
+    for evt in prof.events():
+        if evt.device_type != DeviceType.CUDA or getattr(evt, "is_user_annotation", False):
+            continue
+        if match is not None and not match(evt.name):
+            continue
+        total_us += evt.time_range.elapsed_us()
+        count += 1
+    return total_us / iters / 1e3, count / iters
+
+
+def tflops(flop: float, ms: float) -> float:
+    """flop / time in TFLOP/s, rounded to 1 decimal (3 significant digits below 10)."""
+    if not ms > 0:
+        return float("nan")
+    v = flop / (ms * 1e-3) / 1e12
+    return round(v, 1) if v >= 10 else float(f"{v:.3g}")
+
+

@@ -1,0 +1,26 @@
+"""`fp8-reload gate`: run the gate, print the report, exit 0 / 1 / 2."""
+
+from __future__ import annotations
+
+import sys
+
+from .report import format_report, write_json
+from .result import GateError
+from .run import run_gate
+
+
+def command(args) -> int:
+    """0: every check passed; 1: some check failed; 2: the gate cannot run as asked."""
+    try:
+        result = run_gate(preset=args.preset, processing=args.processing, backends=args.backend,
+                          device=args.device, bounds=args.bounds, kinds=args.kind,
+                          num_layers=args.num_layers, workdir=args.workdir,
+                          log=lambda s: print(s, file=sys.stderr, flush=True))
+    except GateError as e:
+        print(f"fp8-reload gate: error: {e}", file=sys.stderr)
+        return 2
+    print(format_report(result))
+    if args.json:
+        write_json(result, args.json)
+        print(f"wrote {args.json}")
+    return 0 if result.passed else 1

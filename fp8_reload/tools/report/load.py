@@ -1,0 +1,101 @@
+"""Reading asv's results directory into one tidy pandas frame."""
+
+from __future__ import annotations
+
+import ast
+import itertools
+import json
+from pathlib import Path
+
+MACHINE_KEYS = ("machine", "cpu", "num_cpu", "ram", "os", "arch", "gpu", "torch", "cuda")
+
+
+def _literal(v):
+    """asv stores parameter values as their repr ("'small'", "128")."""
+    try:
+        return ast.literal_eval(v)
+    except (ValueError, SyntaxError):
+        return v
+
+
+def _load_json(path: Path) -> dict:
+    # asv writes NaN for skipped benchmarks; json accepts it.
+    with open(path) as f:
+        return json.load(f)
+
+
+def _product(params: list[list]) -> list[tuple]:
+    return list(itertools.product(*params)) if params else [()]
+
+
+def load_results(results_dir, machine: str | None = None, commit: str | None = None):
+    """One row per (machine, commit, benchmark, parameter set).
+
+    Columns: machine, commit, date, benchmark, module, bench_type (time/track),
+    unit, params (dict), value (asv's result: the median for times), best (the
+    lowest sample, where asv recorded samples), failed, plus one column per parameter name
+    (e.g. preset, kind = checkpoint kind, experts, strategy, backend, tokens). For each
+    machine only the results file of the newest run (by asv's ``started_at``) is
+    kept, unless `commit` (a hash prefix) picks one.
+    """
+    import pandas as pd
+
+    root = Path(results_dir)
+    meta = {}
+    if (root / "benchmarks.json").exists():
+        meta = {k: v for k, v in _load_json(root / "benchmarks.json").items() if isinstance(v, dict)}
+    rows = []
+    for mdir in sorted(p for p in root.iterdir() if p.is_dir()):
+        if machine and mdir.name != machine:
+            continue
+        for f in sorted(mdir.glob("*.json")):
+            if f.name == "machine.json":
+                continue
+            data = _load_json(f)
+            if "results" not in data or "commit_hash" not in data:
+                continue
+            if commit and not data["commit_hash"].startswith(commit):
+                continue
+            cols = data.get("result_columns", ["result", "params"])
+            started = [dict(zip(cols, e)).get("started_at") or 0 for e in data["results"].values()]
+            run_at = max(started, default=0)
+            for bench, entry in data["results"].items():
+                rec = dict(zip(cols, entry))
+                values = rec.get("result")
+                params = [[_literal(v) for v in ps] for ps in (rec.get("params") or [])]
+                info = meta.get(bench, {})
+                names = info.get("param_names") or [f"p{i}" for i in range(len(params))]
+                if not isinstance(values, list):
+                    values = [values]
+                samples = rec.get("samples") or [None] * len(values)
+                for combo, value, smp in zip(_product(params), values, samples):
+                    good = [x for x in smp or [] if x is not None and x == x]
+                    row = {"machine": mdir.name, "commit": data["commit_hash"],
+                           "date": data.get("date"), "run_at": run_at, "file": f.name,
+                           "benchmark": bench,
+                           "module": bench.split(".", 1)[0],
+                           "bench_type": info.get("type") or bench.rsplit(".", 1)[-1].split("_", 1)[0],
+                           "unit": info.get("unit", "seconds" if ".time_" in bench else ""),
+                           "params": dict(zip(names, combo)),
+                           "value": float("nan") if value is None else float(value),
+                           "best": min(good) if good and value is not None else float("nan"),
+                           "failed": value is None}
+                    row.update(dict(zip(names, combo)))
+                    rows.append(row)
+    df = pd.DataFrame(rows)
+    if df.empty:
+        return df
+    if not commit:  # per machine, the results file of the newest run
+        newest = df.groupby("machine")["run_at"].transform("max")
+        df = df[df["run_at"] == newest]
+    return df.reset_index(drop=True)
+
+
+def machine_info(results_dir, machine: str) -> dict:
+    path = Path(results_dir) / machine / "machine.json"
+    if not path.exists():
+        return {"machine": machine}
+    info = _load_json(path)
+    return {k: info[k] for k in MACHINE_KEYS if k in info} | {
+        k: v for k, v in info.items() if k not in MACHINE_KEYS and k != "version"}
+

@@ -1,0 +1,120 @@
+"""Writing the report: headline.md, the CSV tables and the plots."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+from ..markdown import markdown_table
+from .load import load_results, machine_info
+from .plots import plot_forward, plot_reload
+from .tables import forward_table, headline, scales_table
+
+
+def _cell(v) -> str:
+    """A report cell: n/a for missing values, yes / **no** for verdicts, 4 significant digits."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    if isinstance(v, bool):
+        return "yes" if v else "**no**"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_report(results_dir="results/asv", out_dir="results/report", machine: str | None = None,
+                 commit: str | None = None, stat: str = "best") -> dict[str, Path]:
+    """Write headline.md / headline.csv / results.csv / forward.csv / scales.csv and the plots.
+
+    `stat` "best": times are each benchmark's lowest sample where asv recorded
+    samples (``--record-samples``): on a shared machine noise only adds time, and
+    one disturbed process can shift asv's median by 100x; "median": asv's value.
+    Returns {name: path} of what was written. Raises FileNotFoundError when
+    there are no results to report.
+    """
+    results_dir, out_dir = Path(results_dir), Path(out_dir)
+    if not results_dir.is_dir():
+        raise FileNotFoundError(f"{results_dir}: no asv results directory (run `asv run` first)")
+    df = load_results(results_dir, machine=machine, commit=commit)
+    if df.empty:
+        raise FileNotFoundError(f"{results_dir}: no asv results"
+                                + (f" for machine {machine!r}" if machine else ""))
+    if stat not in ("best", "median"):
+        raise ValueError(f"stat must be best or median, not {stat!r}")
+    df["asv_value"] = df["value"]
+    if stat == "best":
+        df["value"] = df["best"].where(df["best"].notna(), df["value"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = {}
+    hl = headline(df)
+    fw = forward_table(df)
+    flat = df.drop(columns=["params"])
+    flat.to_csv(out_dir / "results.csv", index=False)
+    written["results.csv"] = out_dir / "results.csv"
+    hl.to_csv(out_dir / "headline.csv", index=False)
+    written["headline.csv"] = out_dir / "headline.csv"
+    if not fw.empty:
+        fw.to_csv(out_dir / "forward.csv", index=False)
+        written["forward.csv"] = out_dir / "forward.csv"
+    sc = scales_table(df)
+    if not sc.empty:
+        sc.to_csv(out_dir / "scales.csv", index=False)
+        written["scales.csv"] = out_dir / "scales.csv"
+    md = format_markdown(df, hl, fw, results_dir, sc, stat)
+    (out_dir / "headline.md").write_text(md)
+    written["headline.md"] = out_dir / "headline.md"
+    for name, fn, data in (("reload_vs_fraction.png", plot_reload, df),
+                           ("forward_tflops.png", plot_forward, fw)):
+        if fn(data, out_dir / name):
+            written[name] = out_dir / name
+    return written
+
+
+def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
+    parts = ["# fp8-reload benchmark report", "",
+             ("Times: each benchmark's best sample where asv recorded samples (asv's median is "
+              "`asv_value` in results.csv)." if stat == "best" else "Times: asv's median."), ""]
+    for machine, mdf in df.groupby("machine"):
+        info = machine_info(results_dir, machine)
+        commit = mdf["commit"].iloc[0][:8]
+        parts.append(f"## {machine} (commit {commit})")
+        parts.append("")
+        parts.append(", ".join(f"{k}: {v}" for k, v in info.items() if k != "machine"))
+        parts.append("")
+        h = hl[hl.machine == machine] if not hl.empty else hl
+        if not h.empty:
+            parts.append(markdown_table(h.drop(columns=["machine", "commit"]), cell=_cell))
+            parts.append("")
+        f = fw[fw.machine == machine] if not fw.empty else fw
+        if not f.empty:
+            parts.append("MoE layer forward (routed experts, FLOPs = 6 * tokens * top_k * hidden * inter):")
+            parts.append("")
+            parts.append(markdown_table(f.drop(columns=["machine"]).round(4), cell=_cell))
+            parts.append("")
+        c = sc[sc.machine == machine] if sc is not None and not sc.empty else None
+        if c is not None and not c.empty:
+            parts.append("Block scales for DeepGEMM (per-tensor scales expanded to 128x128 blocks):")
+            parts.append("")
+            shown = c.drop(columns=["machine"]).dropna(axis=1, how="all").round(4)
+            parts.append(markdown_table(shown, cell=_cell))
+            parts.append("")
+        failed = mdf[mdf["failed"]]
+        if not failed.empty:
+            parts.append(f"**{len(failed)} benchmark runs failed**: "
+                         + ", ".join(sorted(set(failed["benchmark"]))))
+            parts.append("")
+    return "\n".join(parts)
+
+
+def command(args) -> int:
+    """`fp8-reload report`."""
+    try:
+        written = write_report(args.results, args.out, machine=args.machine, commit=args.commit,
+                               stat=args.stat)
+    except FileNotFoundError as e:
+        print(f"fp8-reload report: {e}", file=sys.stderr)
+        return 2
+    print((written["headline.md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in written.values()))
+    return 0

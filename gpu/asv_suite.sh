@@ -1,0 +1,139 @@
+#!/usr/bin/env bash
+# The asv suite on the H200: run it (v2-lite slice), write the report, print the
+# headline ratios against their targets, plus where reload time goes (per phase).
+#
+#   bash gpu/asv_suite.sh                 # from the repo root; about 5 minutes (~55 asv processes)
+#   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
+#                                                # the copy on the device has no .git
+# Results: $OUT/asv/<machine>/*.json (+ benchmarks.json) -> commit them as results/asv/,
+#          $OUT/report/ (headline.md/csv, forward.csv, PNG plots), $OUT/*.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/asv-suite-out}
+mkdir -p "$OUT"
+# asv drops PYTHONPATH in the benchmark processes unless ASV_PYTHONPATH carries it
+# (deep_gemm, asv_runner etc. live in /tmp/site on the H200).
+export PYTHONPATH=${PYTHONPATH:-}:$PWD
+export ASV_PYTHONPATH=$PYTHONPATH
+export FP8_RELOAD_BENCH_DEVICE=${FP8_RELOAD_BENCH_DEVICE:-cuda}  # cpu: dry run of the plumbing
+export FP8_RELOAD_BENCH_PRESETS=${FP8_RELOAD_BENCH_PRESETS:-v2-lite:4}
+export FP8_RELOAD_BENCH_DIR=${FP8_RELOAD_BENCH_DIR:-/tmp/fp8-reload-bench-ckpt}
+MACHINE=${ASV_MACHINE:-h200}
+PY=${PYTHON:-python3}
+t_start=$(date +%s)
+
+echo "== machine"
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "(no nvidia-smi)"
+$PY - <<'EOF'
+import torch, asv, importlib.util as u
+print("torch", torch.__version__, "cuda", torch.version.cuda, "asv", asv.__version__,
+      "| triton", bool(u.find_spec("triton")), "deep_gemm", bool(u.find_spec("deep_gemm")))
+import fp8_reload.kernels as k
+print("MoE backends available:", k.available_backends())
+for name, why in getattr(k, "UNAVAILABLE", {}).items():
+    print(f"  {name}: unavailable: {why}")
+EOF
+
+# asv needs a git commit to file results under. The device copy may have no .git:
+# then make a scratch repo here and, if FP8_RELOAD_COMMIT is given, rename afterwards.
+if SHA=$(git rev-parse HEAD 2>/dev/null); then
+  echo "commit $SHA (dirty files: $(git status --porcelain | wc -l))"
+else
+  echo "no git repository here: committing this copy to a scratch repo for asv"
+  # branch "main": asv.conf.json names it
+  git init -q . && git symbolic-ref HEAD refs/heads/main && git add -A >/dev/null && \
+    git -c user.email=h200@local -c user.name=h200 commit -qm "h200 run of ${FP8_RELOAD_COMMIT:-unknown}" \
+    && SHA=$(git rev-parse HEAD) || { echo "FAILED: git is needed by asv"; exit 1; }
+fi
+
+$PY - "$MACHINE" <<'EOF'
+import sys, torch
+from fp8_reload.tools.regress import ensure_machine
+gpu = {}
+if torch.cuda.is_available():
+    p = torch.cuda.get_device_properties(0)
+    gpu = dict(gpu=f"{p.name} ({p.total_memory / 2**30:.0f} GiB)", cuda=torch.version.cuda)
+info = ensure_machine(sys.argv[1], torch=torch.__version__, **gpu)
+print("asv machine:", info)
+EOF
+
+echo
+echo "== JIT caches (DeepGEMM / Triton kernels of the v2-lite shapes, compiled in parallel once)"
+if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ]; then
+  $PY -m fp8_reload bench-kernels --jit-only --jit-procs 12 --no-gemm \
+    --tokens "${FP8_RELOAD_BENCH_TOKENS:-128,1024,4096}" --out "$OUT/jit" 2>&1 | tail -3
+fi
+
+echo
+echo "== where reload time goes (fixed model, phases of the last of 3 reloads)"
+$PY - <<'EOF' 2>&1 | tee "$OUT/phases.log"
+import os, time, torch
+import fp8_reload as fr
+from benchmarks.common import DEVICE, ON_CUDA, PRESETS, fraction_experts, write_checkpoints, device_peak_bytes, sync
+from pathlib import Path
+t0 = time.perf_counter()
+paths = write_checkpoints(Path(os.environ["FP8_RELOAD_BENCH_DIR"]), kinds=["fp8"])
+path = paths[f"{PRESETS[0]}-fp8"]
+print(f"checkpoints ready in {time.perf_counter() - t0:.1f}s: {path} "
+      f"({fr.Checkpoint(path).total_bytes() / 2**30:.2f} GiB)")
+m = fr.load_model(path, device=DEVICE)
+print("fresh load:", m.load_report.summary())
+one = fr.generate_weight_name_filter(fraction_experts(m.config, "1/layer"))
+for label, flt, kw in [("1 expert/layer fixed", one, {}),
+                       ("1 expert/layer scan-all", one, dict(scan_all=True)),
+                       ("1 expert/layer upstream-style", one, dict(scan_all=True, postprocess_all=True)),
+                       ("full", None, {})]:
+    for _ in range(3):
+        sync(); t = time.perf_counter()
+        r = fr.update_weights_from_disk(m, path, flt, **kw)
+        sync(); dt = time.perf_counter() - t
+    peak = "n/a"
+    if ON_CUDA:
+        peak = f"{device_peak_bytes(lambda: fr.update_weights_from_disk(m, path, flt, **kw)) / 2**20:.1f} MiB"
+    print(f"{label:30s} {dt * 1e3:8.1f} ms  device peak +{peak}  {r.summary()}")
+EOF
+
+echo
+echo "== asv run (spawn, 3 samples, one round)"
+F="'[^']*'"  # any preset
+BENCH=(
+  -b "FilteredReload\.time_reload\($F, 'fp8', $F, '(fixed|upstream-style)'\)"
+  -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
+  -b "RawReadCopy\.time_read_copy\($F, 'fp8'"
+  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full', $F\)"
+  -b "FullReload\.time_reload"
+  -b "ReloadDeviceMemory\.track_peak_bytes\($F, $F, '(1/layer|full)'\)"
+  -b "ProcessMoELayer\.time_process"
+  -b "MoEForward\.time_forward"
+  -b "ForwardAccuracy\.track_calc_diff"
+  -b "DeepGemmScaleMode\.time_forward\($F, $F, 128\)"
+  -b "BlockScaleExpansion\.time_block_scales"
+)
+$PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \
+  --record-samples -a repeat=3 -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
+  | grep -v "^\s*$" | grep -v "^\s*For parameters\|asv: skipped" | tail -150
+echo "asv exit status: ${PIPESTATUS[0]}"
+
+RES=results/asv/$MACHINE
+if [ -n "${FP8_RELOAD_COMMIT:-}" ] && [ "$SHA" != "$FP8_RELOAD_COMMIT" ]; then
+  $PY - "$RES" "$SHA" "$FP8_RELOAD_COMMIT" <<'EOF'
+import json, sys
+from pathlib import Path
+res, old, new = Path(sys.argv[1]), sys.argv[2], sys.argv[3]
+for f in res.glob(f"{old[:8]}-*.json"):
+    d = json.loads(f.read_text()); d["commit_hash"] = new
+    f.with_name(new[:8] + f.name[8:]).write_text(json.dumps(d)); f.unlink()
+    print("results recorded under", new)
+EOF
+fi
+mkdir -p "$OUT/asv" && cp -r "$RES" results/asv/benchmarks.json "$OUT/asv/"
+
+echo
+echo "== report (headline ratios vs the H200 targets)"
+$PY -m fp8_reload report --results results/asv --machine "$MACHINE" --out "$OUT/report" 2>&1 \
+  | tee "$OUT/report.log"
+echo
+echo "failed benchmarks (should be none):"
+grep -E "failed|Traceback" "$OUT/asv_run.log" | head -20 || true
+echo "done in $(( $(date +%s) - t_start ))s; files under $OUT"
