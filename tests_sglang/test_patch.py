@@ -58,7 +58,7 @@ def test_supported_version_is_the_installed_one():
 @pytest.mark.parametrize("version", ["0.5.22", "0.5.24", "0.6.0", "0.5.23.post1"])
 def test_unknown_version_is_refused_and_nothing_is_patched(unpatched, monkeypatch, version):
     before = _current()
-    monkeypatch.setattr(sglang_patch, "installed_version", lambda: version)
+    monkeypatch.setattr(sglang_patch.patch, "installed_version", lambda: version)
     with pytest.raises(sglang_patch.UnsupportedSGLangVersion,
                        match=rf"supports sglang 0\.5\.23, found {version}"):
         sglang_patch.apply()
@@ -70,7 +70,7 @@ def test_unknown_version_is_refused_and_nothing_is_patched(unpatched, monkeypatc
 
 
 def test_missing_sglang_is_refused(monkeypatch):
-    monkeypatch.setattr(sglang_patch, "installed_version", lambda: None)
+    monkeypatch.setattr(sglang_patch.patch, "installed_version", lambda: None)
     with pytest.raises(sglang_patch.UnsupportedSGLangVersion, match="not installed"):
         sglang_patch.check_version()
 
@@ -109,6 +109,6 @@ def test_launcher_check_reports_the_patch(unpatched, capsys):
 def test_launcher_refuses_an_unknown_version(monkeypatch, capsys):
     from fp8_reload.tools.cli import main
 
-    monkeypatch.setattr(sglang_patch, "installed_version", lambda: "0.6.0")
+    monkeypatch.setattr(sglang_patch.patch, "installed_version", lambda: "0.6.0")
     assert main(["sglang-launch", "--", "--model-path", "x"]) == 2
     assert "supports sglang 0.5.23, found 0.6.0" in capsys.readouterr().err
