@@ -9,6 +9,7 @@ describes the model that loads it.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -126,25 +127,94 @@ class MoEConfig:
 
     @classmethod
     def from_hf_config(cls, hf: dict[str, Any]) -> MoEConfig:
-        try:
-            cfg = cls(
-                name=hf.get("fp8_reload_preset", "custom"),
-                hidden_size=int(hf["hidden_size"]),
-                num_layers=int(hf["num_hidden_layers"]),
-                num_experts=int(hf["n_routed_experts"]),
-                num_shared_experts=int(hf.get("n_shared_experts") or 0),
-                moe_intermediate_size=int(hf["moe_intermediate_size"]),
-                intermediate_size=int(hf["intermediate_size"]),
-                top_k=int(hf["num_experts_per_tok"]),
-                first_dense_layers=int(hf.get("first_k_dense_replace", 0)),
-                num_heads=int(hf["num_attention_heads"]),
-                qk_head_dim=int(hf["qk_head_dim"]),
-                v_head_dim=int(hf["v_head_dim"]),
-                norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
-                routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
-                rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            )
-        except KeyError as e:
-            raise ValueError(f"config.json lacks field {e.args[0]!r}") from None
+        """Parse `config.json` fields strictly: ValueError naming the field otherwise.
+
+        A size must be a JSON integer (not a string, not a float such as 64.0 or 64.9,
+        not a boolean) within `_INT_FIELDS`' bounds; a float field a finite number in
+        its range (an integer is accepted: ``"routed_scaling_factor": 1``); a flag a
+        JSON boolean. ``null`` stands for a missing optional field. Nothing is
+        coerced, so ``"-inf"`` or ``"nan"`` can no longer become a NaN forward.
+        """
+        if not isinstance(hf, dict):
+            raise ValueError(f"config is not an object: {type(hf).__name__}")
+        values: dict[str, Any] = {}
+        for key, (attr, lo, hi, default) in _INT_FIELDS.items():
+            values[attr] = _int_field(hf, key, lo, hi, default)
+        for key, (attr, lo, hi, default) in _FLOAT_FIELDS.items():
+            values[attr] = _float_field(hf, key, lo, hi, default)
+        flag = hf.get("norm_topk_prob")
+        if flag is not None and not isinstance(flag, bool):
+            raise ValueError(f"field 'norm_topk_prob' must be true or false, got {_show(flag)}")
+        values["norm_topk_prob"] = bool(flag)
+        name = hf.get("fp8_reload_preset", "custom")
+        if not isinstance(name, str) or not 0 < len(name) <= 100:
+            raise ValueError(f"field 'fp8_reload_preset' must be a short string, got {_show(name)}")
+        if not values["first_dense_layers"] <= values["num_layers"]:
+            raise ValueError(f"field 'first_k_dense_replace' ({values['first_dense_layers']}) exceeds "
+                             f"'num_hidden_layers' ({values['num_layers']})")
+        if not values["top_k"] <= values["num_experts"]:
+            raise ValueError(f"field 'num_experts_per_tok' ({values['top_k']}) exceeds "
+                             f"'n_routed_experts' ({values['num_experts']})")
+        experts = values["num_layers"] * values["num_experts"]
+        if experts > MAX_EXPERTS_IN_ALL:  # the layout lists every expert's tensors by name
+            raise ValueError(f"fields 'num_hidden_layers' x 'n_routed_experts' give {experts} "
+                             f"experts in all, more than {MAX_EXPERTS_IN_ALL}")
+        cfg = cls(name=name, **values)
         cfg.validate()
         return cfg
+
+
+# config.json field -> (MoEConfig attribute, min, max, default; None: required).
+# The maxima are far above any real model (DeepSeek-V3: hidden 7168, 61 layers, 256
+# experts) and keep every size computation far from overflow; a config beyond them
+# is corrupt, not a model to build.
+_INT_FIELDS = {
+    "hidden_size": ("hidden_size", 1, 2**20, None),
+    "num_hidden_layers": ("num_layers", 1, 2**12, None),
+    "n_routed_experts": ("num_experts", 1, 2**16, None),
+    "n_shared_experts": ("num_shared_experts", 0, 2**10, 0),
+    "moe_intermediate_size": ("moe_intermediate_size", 1, 2**20, None),
+    "intermediate_size": ("intermediate_size", 1, 2**22, None),
+    "num_experts_per_tok": ("top_k", 1, 2**16, None),
+    "first_k_dense_replace": ("first_dense_layers", 0, 2**12, 0),
+    "num_attention_heads": ("num_heads", 1, 2**12, None),
+    "qk_head_dim": ("qk_head_dim", 1, 2**16, None),
+    "v_head_dim": ("v_head_dim", 1, 2**16, None),
+}
+MAX_EXPERTS_IN_ALL = 2**20
+_FLOAT_FIELDS = {
+    "routed_scaling_factor": ("routed_scaling_factor", 0.0, 1e6, 1.0),
+    "rms_norm_eps": ("rms_norm_eps", 0.0, 1.0, 1e-6),
+}
+
+
+def _show(v: Any) -> str:
+    return f"{str(v)[:40]!r} ({type(v).__name__})" if isinstance(v, str) else \
+        f"{str(v)[:40]} ({type(v).__name__})"
+
+
+def _int_field(hf: dict, key: str, lo: int, hi: int, default: int | None) -> int:
+    v = hf.get(key)
+    if v is None:
+        if default is None:
+            raise ValueError(f"config.json lacks field {key!r}" if key not in hf else
+                             f"field {key!r} must be an integer, got null")
+        return default
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"field {key!r} must be an integer, got {_show(v)}")
+    if not lo <= v <= hi:
+        raise ValueError(f"field {key!r} must lie in [{lo}, {hi}], got {str(v)[:40]}")
+    return v
+
+
+def _float_field(hf: dict, key: str, lo: float, hi: float, default: float) -> float:
+    """A finite number in (lo, hi]."""
+    v = hf.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, int | float) or isinstance(v, bool):
+        raise ValueError(f"field {key!r} must be a number, got {_show(v)}")
+    f = float(v) if abs(v) < 2**1000 else math.inf  # float() of a huge JSON integer overflows
+    if not (math.isfinite(f) and lo < f <= hi):
+        raise ValueError(f"field {key!r} must be a finite number in ({lo:g}, {hi:g}], got {str(v)[:40]}")
+    return f
