@@ -22,8 +22,10 @@ import json
 import os
 import pickle
 import shutil
+import socket
 import struct
 import sys
+import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -425,6 +427,109 @@ def path_outside(good, work, kind, cfg):
     return p, [wm[WEIGHT], "outside the checkpoint directory"]
 
 
+# ---- files that are not regular files (each must be refused without blocking)
+
+def _special(role: str, make):
+    """Replace the config, the index or WEIGHT's shard by what `make(path, work)` creates."""
+    def build(good, work, kind, cfg):
+        p = _copy(good, work)
+        target = {"config": p / "config.json", "index": p / INDEX_FILE}.get(role) or shard_of(p, WEIGHT)
+        target.unlink()
+        make(target, work)
+        return p, [str(target), "not a regular file"]
+    return build
+
+
+def make_fifo(path: Path, work: Path) -> None:
+    os.mkfifo(path)
+
+
+def make_symlink_to_fifo(path: Path, work: Path) -> None:
+    os.mkfifo(work / "pipe")
+    os.symlink(work / "pipe", path)
+
+
+def make_socket(path: Path, work: Path) -> None:
+    """A unix socket file, bound under a short directory (socket paths are limited to
+    ~100 bytes) and moved into place."""
+    short = Path(tempfile.mkdtemp(prefix="s", dir="/tmp"))
+    with socket.socket(socket.AF_UNIX) as s:
+        s.bind(str(short / "s"))
+    os.replace(short / "s", path)
+    short.rmdir()
+
+
+def make_dev_zero(path: Path, work: Path) -> None:
+    os.symlink("/dev/zero", path)
+
+
+def make_dev_urandom(path: Path, work: Path) -> None:
+    os.symlink("/dev/urandom", path)
+
+
+def make_directory(path: Path, work: Path) -> None:
+    path.mkdir()
+
+
+def single_file_fifo(good, work, kind, cfg):
+    """A single-file checkpoint (no index) whose model.safetensors is a FIFO."""
+    p = work / "single"
+    p.mkdir()
+    shutil.copy(good / "config.json", p / "config.json")
+    os.mkfifo(p / "model.safetensors")
+    return p, [str(p / "model.safetensors"), "FIFO"]
+
+
+# ---- an index entry in a subfolder: read exactly that file, or fail naming it
+
+def subfolder_entry_missing(good, work, kind, cfg):
+    """The index names sub/<shard>, which does not exist; <shard> itself does (a leftover)."""
+    p = _copy(good, work)
+    shard = weight_map(p)[WEIGHT]
+    write_index(p, {n: f"sub/{f}" if f == shard else f for n, f in weight_map(p).items()})
+    return p, [str(p / INDEX_FILE), f"sub/{shard}", "does not exist"]
+
+
+# ---- values a header cannot show
+
+ROUTER = "model.layers.2.mlp.gate.weight"
+NORM = "model.layers.2.input_layernorm.weight"
+FINAL_NORM = "model.norm.weight"
+
+
+def _bad_value(name: str, value, index: int = 7, raw: bool = False):
+    """Set element `index` of tensor `name` to `value` (`raw`: a byte of an FP8 tensor)."""
+    def build(good, work, kind, cfg):
+        p = _copy(good, work)
+
+        def poke(t):
+            x = t[name].clone()
+            if raw:
+                x.reshape(-1).view(torch.uint8)[index] = value
+            else:
+                x.reshape(-1)[index] = value
+            t[name] = x
+
+        edit_tensors(p, poke, name)
+        what = "encodes NaN" if raw else f"value {float(value)}"
+        return p, [shard_of(p, name).name, repr(name), what, "weights must be finite"]
+    return build
+
+
+# ---- config.json values that must not pass
+
+def _bad_config(field: str, raw_value: str):
+    """config.json with `field` set to the JSON text `raw_value` (written as text:
+    1e999 is how JSON spells a number that parses to inf)."""
+    def build(good, work, kind, cfg):
+        p = _copy(good, work)
+        hf = json.loads((p / "config.json").read_text())
+        hf[field] = "@@"
+        (p / "config.json").write_text(json.dumps(hf).replace('"@@"', raw_value))
+        return p, [str(p / "config.json"), repr(field)]
+    return build
+
+
 E = fr.errors
 CASES: list[BadCase] = [
     BadCase("missing-directory", "checkpoint directory does not exist", E.CheckpointNotFoundError,
@@ -485,6 +590,60 @@ CASES: list[BadCase] = [
             raw_pickle_named_safetensors, plants_pickle=True),
     BadCase("not-safetensors", "index names a GGUF file", E.UnsupportedCheckpointError, not_safetensors),
     BadCase("path-outside", "index names ../elsewhere/shard", E.UnsafeCheckpointError, path_outside),
+    BadCase("fifo-config", "config.json is a FIFO", E.UnreadableCheckpointError,
+            _special("config", make_fifo)),
+    BadCase("fifo-index", "the index is a FIFO", E.UnreadableCheckpointError,
+            _special("index", make_fifo)),
+    BadCase("fifo-shard", "a shard is a FIFO", E.UnreadableCheckpointError,
+            _special("shard", make_fifo)),
+    BadCase("symlink-to-fifo", "a shard is a symlink to a FIFO", E.UnreadableCheckpointError,
+            _special("shard", make_symlink_to_fifo)),
+    BadCase("fifo-single-file", "model.safetensors (no index) is a FIFO", E.UnreadableCheckpointError,
+            single_file_fifo),
+    BadCase("socket-shard", "a shard is a unix socket", E.UnreadableCheckpointError,
+            _special("shard", make_socket)),
+    BadCase("dev-zero-shard", "a shard is a symlink to /dev/zero", E.UnreadableCheckpointError,
+            _special("shard", make_dev_zero)),
+    BadCase("dev-urandom-config", "config.json is a symlink to /dev/urandom",
+            E.UnreadableCheckpointError, _special("config", make_dev_urandom)),
+    BadCase("directory-config", "config.json is a directory", E.UnreadableCheckpointError,
+            _special("config", make_directory)),
+    BadCase("directory-index", "the index is a directory", E.UnreadableCheckpointError,
+            _special("index", make_directory)),
+    BadCase("subfolder-entry-missing", "index names sub/<shard>, absent (top-level leftover)",
+            E.CheckpointNotFoundError, subfolder_entry_missing),
+    BadCase("fp8-nan-0x7f", "FP8 weight byte 0x7f (NaN in e4m3fn)", E.InvalidTensorError,
+            _bad_value(WEIGHT, 0x7F, raw=True), kinds=("fp8",)),
+    BadCase("fp8-nan-0xff", "FP8 weight byte 0xff (-NaN in e4m3fn)", E.InvalidTensorError,
+            _bad_value(WEIGHT, 0xFF, index=0, raw=True), kinds=("fp8",)),
+    BadCase("fp8-nan-expert", "FP8 NaN byte in an expert a filtered reload takes",
+            E.InvalidTensorError, _bad_value(DOWN, 0x7F, index=100, raw=True), kinds=("fp8",),
+            layer_experts={2: [5]}, modes=("fixed",)),
+    BadCase("bf16-inf-weight", "+inf in a bf16 expert weight", E.InvalidTensorError,
+            _bad_value(WEIGHT, float("inf")), kinds=("bf16",)),
+    BadCase("bf16-nan-weight", "NaN in a bf16 expert weight", E.InvalidTensorError,
+            _bad_value(DOWN, float("nan"), index=0), kinds=("bf16",)),
+    BadCase("nan-router", "NaN in a router (gate) weight", E.InvalidTensorError,
+            _bad_value(ROUTER, float("nan"))),
+    BadCase("inf-norm", "-inf in a norm weight", E.InvalidTensorError, _bad_value(NORM, float("-inf"))),
+    BadCase("nan-final-norm", "NaN in the final norm", E.InvalidTensorError,
+            _bad_value(FINAL_NORM, float("nan"), index=63)),
+    BadCase("config-string-eps", 'config.json: "rms_norm_eps": "-inf"', E.CorruptCheckpointError,
+            _bad_config("rms_norm_eps", '"-inf"')),
+    BadCase("config-string-scaling", 'config.json: "routed_scaling_factor": "nan"',
+            E.CorruptCheckpointError, _bad_config("routed_scaling_factor", '"nan"')),
+    BadCase("config-inf-eps", "config.json: rms_norm_eps 1e999 (parses to inf)",
+            E.CorruptCheckpointError, _bad_config("rms_norm_eps", "1e999")),
+    BadCase("config-huge-experts", "config.json: n_routed_experts 10**30", E.CorruptCheckpointError,
+            _bad_config("n_routed_experts", str(10**30))),
+    BadCase("config-string-size", 'config.json: "hidden_size": "64"', E.CorruptCheckpointError,
+            _bad_config("hidden_size", '"64"')),
+    BadCase("config-float-size", "config.json: hidden_size 64.9", E.CorruptCheckpointError,
+            _bad_config("hidden_size", "64.9")),
+    BadCase("config-bool-size", "config.json: moe_intermediate_size true", E.CorruptCheckpointError,
+            _bad_config("moe_intermediate_size", "true")),
+    BadCase("config-top-k", "config.json: num_experts_per_tok above n_routed_experts",
+            E.CorruptCheckpointError, _bad_config("num_experts_per_tok", "9")),
 ]
 
 

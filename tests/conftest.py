@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -62,3 +64,26 @@ def rewrite_tensor(path: Path, name: str, fn) -> None:
 def tokens(cfg: fr.MoEConfig, n: int = 32, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, cfg.hidden_size, generator=g).to(torch.bfloat16)
+
+
+class Hang(KeyboardInterrupt):
+    """Raised by `time_limit`. A KeyboardInterrupt so that no handler in the code under
+    test can mistake it for a checkpoint error: it always reaches the test."""
+
+
+@contextmanager
+def time_limit(seconds: float):
+    """Interrupt the block (main thread) with `Hang` after `seconds`: a test that would
+    hang, e.g. in a blocking open() of a FIFO, fails instead (PEP 475: a signal handler
+    that raises ends the blocking system call)."""
+
+    def on_alarm(signum, frame):
+        raise Hang(f"ran over {seconds} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)

@@ -16,11 +16,9 @@ import json
 import math
 import os
 import shutil
-import signal
 import struct
 import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -32,6 +30,8 @@ from safetensors.torch import load_file
 import fp8_reload as fr
 from fp8_reload.checkpoint import INDEX_FILE, SINGLE_FILE, read_safetensors_header
 
+from .conftest import Hang, time_limit
+
 SCALE = float(os.environ.get("FP8_RELOAD_FUZZ_SCALE", "1"))
 TIME_LIMIT = 20.0  # seconds per example before it counts as a hang
 
@@ -42,30 +42,9 @@ def fuzz_settings(n: int):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-class Hang(KeyboardInterrupt):
-    """Raised by the alarm. A KeyboardInterrupt so no handler in the reader can
-    mistake it for a checkpoint error: it always reaches the test."""
-
-
-@contextmanager
-def time_limit(seconds: float | None = None):
-    seconds = TIME_LIMIT if seconds is None else seconds
-
-    def on_alarm(signum, frame):
-        raise Hang(f"example ran over {seconds} s")
-
-    old = signal.signal(signal.SIGALRM, on_alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
 def only_reload_errors(fn, *args, **kwargs):
     """Run fn: returns its result, or the ReloadError it raised; anything else fails."""
-    with time_limit():
+    with time_limit(TIME_LIMIT):
         try:
             out = fn(*args, **kwargs)
         except fr.ReloadError as e:

@@ -32,7 +32,7 @@ from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.layers import EXPERT_RE, FusedMoE
 
 from . import bad_checkpoints as bad
-from .conftest import copy_checkpoint, mix_checkpoints, tokens
+from .conftest import copy_checkpoint, mix_checkpoints, time_limit, tokens
 
 KINDS = ["fp8", "bf16"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -85,7 +85,7 @@ def test_bad_checkpoint_is_refused_and_model_unchanged(built, ckpts, tiny_cfg, c
     x = tokens(tiny_cfg)
     y0 = model(x)
     before = fr.snapshot(model)
-    with bad.watch() as code_run, pytest.raises(fr.ReloadError) as info:
+    with time_limit(WAIT), bad.watch() as code_run, pytest.raises(fr.ReloadError) as info:
         fr.update_weights_from_disk(model, path, bad.weight_name_filter(case))
     err = info.value
     assert type(err) is case.error, f"{type(err).__name__}: {err}"
@@ -101,7 +101,7 @@ def test_bad_checkpoint_is_refused_and_model_unchanged(built, ckpts, tiny_cfg, c
                                        for c in bad.CASES if c.bad_alone for k in c.kinds])
 def test_bad_checkpoint_fails_a_fresh_load_with_the_same_error(built, case, kind):
     path, mentions, work = built(case, kind)
-    with bad.watch() as code_run, pytest.raises(case.error):
+    with time_limit(WAIT), bad.watch() as code_run, pytest.raises(case.error):
         fr.load_model(path)
     assert code_run == [] and not (work / "MARKER").exists()
 

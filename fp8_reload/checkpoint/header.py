@@ -10,6 +10,7 @@ naming the file.
 from __future__ import annotations
 
 import json
+import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -18,12 +19,11 @@ import torch
 
 from .. import trace
 from ..errors import (
-    CheckpointNotFoundError,
     CorruptCheckpointError,
-    UnreadableCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from . import files
 from .layout import nbytes
 
 # Weight files in these formats are unpickled by their usual loaders: refused, never opened.
@@ -98,7 +98,8 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _parse_entry(file: Path, name: str, meta, data_start: int, data_len: int) -> TensorInfo:
+def _parse_entry(file: Path, fname: str, name: str, meta, data_start: int,
+                 data_len: int) -> TensorInfo:
     where = f"{file}: header entry for tensor {name!r}"
     if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
         raise CorruptCheckpointError(f"{where} is not {{dtype, shape, data_offsets}}: {str(meta)[:200]}")
@@ -123,43 +124,86 @@ def _parse_entry(file: Path, name: str, meta, data_start: int, data_len: int) ->
     if end > data_len:
         raise CorruptCheckpointError(f"{file}: truncated: tensor {name!r} needs data bytes up to "
                                      f"{end}, the file has {data_len}")
-    return TensorInfo(name, file.name, dtype, tuple(shape), data_start + begin, size)
+    return TensorInfo(name, fname, dtype, tuple(shape), data_start + begin, size)
+
+
+@dataclass(frozen=True)
+class ShardHeader:
+    """A shard's validated header and exactly what it was validated from.
+
+    `stamp` (`files.stamp` of the open file, taken before its header was read)
+    and `head` (the 8-byte length and the JSON) identify the parsed file; the
+    tensors' offsets hold for a file that still has both. `matches` tells
+    whether an open file is still that one.
+    """
+
+    stamp: tuple[int, ...]
+    head: bytes
+    tensors: dict[str, TensorInfo]
+
+    @property
+    def size(self) -> int:
+        return self.stamp[2]
+
+    def matches(self, f, path) -> bool:
+        """Whether the open file `f` is still the parsed one: same stamp, same header bytes."""
+        return files.stamp(files.fstat(f, path)) == self.stamp and \
+            files.pread(f, len(self.head), 0, path) == self.head
+
+
+def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:
+    """(stamp, the 8-byte length and the JSON header) of the open file `f`, refusing
+    lengths the file cannot hold; no tensor data is read."""
+    stamp = files.stamp(files.fstat(f, file))
+    size = stamp[2]
+    head = files.pread(f, 8, 0, file)
+    if len(head) < 8:
+        _refuse_sniffed(file, head)
+        raise CorruptCheckpointError(f"{file}: truncated: {len(head)} bytes, no safetensors header")
+    (hlen,) = struct.unpack("<Q", head)
+    if hlen > min(size - 8, MAX_HEADER_BYTES):
+        _refuse_sniffed(file, head)
+        raise CorruptCheckpointError(
+            f"{file}: corrupt or truncated header: claims {hlen} bytes, the file has "
+            f"{size - 8} after the length")
+    raw = files.pread(f, hlen, 8, file)
+    if len(raw) < hlen:  # the file shrank while we read it
+        raise CorruptCheckpointError(f"{file}: truncated header")
+    return stamp, head + raw
 
 
 @trace.range("fp8_reload/shard_header")
-def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
-    """Parse and validate a safetensors header without reading tensor data.
+def load_shard_header(file: Path, name: str | None = None) -> ShardHeader:
+    """Open `file` (a regular file only, see `files`), read and validate its header.
+
+    `name` is what `TensorInfo.file` records: the file name as the index gives it
+    (``sub/model-00001-of-00002.safetensors``), so the tensor bytes are later read
+    from exactly the file whose header was parsed.
+    """
+    file = Path(file)
+    with files.open_regular(file) as f:
+        stamp, head = read_header_bytes(f, file)
+    return ShardHeader(stamp, head, parse_shard_header(file, name or file.name, stamp[2], head))
+
+
+def read_safetensors_header(file: Path, name: str | None = None) -> dict[str, TensorInfo]:
+    """Parse and validate a safetensors header without reading tensor data."""
+    return load_shard_header(file, name).tensors
+
+
+def parse_shard_header(file: Path, name: str, size: int, head: bytes) -> dict[str, TensorInfo]:
+    """Validate the header bytes `head` of a file of `size` bytes.
 
     As strict as the safetensors library: known dtypes, byte counts that match
     shapes, data regions that tile the data section exactly. So a header that
     passes here is one `safe_open` accepts, and every defect gets a message
     naming the file (and the tensor) instead of a library error.
     """
-    file = Path(file)
+    hlen = len(head) - 8
     try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                _refuse_sniffed(file, head)
-                raise CorruptCheckpointError(f"{file}: truncated: {len(head)} bytes, no safetensors header")
-            (hlen,) = struct.unpack("<Q", head)
-            if hlen > min(size - 8, MAX_HEADER_BYTES):
-                _refuse_sniffed(file, head)
-                raise CorruptCheckpointError(
-                    f"{file}: corrupt or truncated header: claims {hlen} bytes, the file has "
-                    f"{size - 8} after the length")
-            raw = f.read(hlen)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{file}: missing") from None
-    except OSError as e:
-        raise UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
-    if len(raw) < hlen:  # the file shrank while we read it
-        raise CorruptCheckpointError(f"{file}: truncated header")
-    try:
-        header = parse_json(raw, f"{file}: header")
+        header = parse_json(head[8:], f"{file}: header")
     except CorruptCheckpointError:
-        _refuse_sniffed(file, head)
+        _refuse_sniffed(file, head[:8])
         raise
     if not isinstance(header, dict):
         raise CorruptCheckpointError(f"{file}: corrupt header: not a JSON object")
@@ -169,8 +213,8 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
         raise CorruptCheckpointError(f"{file}: corrupt header: __metadata__ is not a string map")
     data_start = 8 + hlen
     data_len = size - data_start
-    out = {name: _parse_entry(file, name, m, data_start, data_len)
-           for name, m in header.items() if name != "__metadata__"}
+    out = {t: _parse_entry(file, name, t, m, data_start, data_len)
+           for t, m in header.items() if t != "__metadata__"}
     # The data regions must tile [0, data_len) exactly, in offset order: first no
     # overlaps (two tensors sharing bytes), then no gaps.
     ordered = sorted(out.values(), key=lambda i: (i.offset, i.nbytes))
@@ -193,9 +237,18 @@ def read_safetensors_header(file: Path) -> dict[str, TensorInfo]:
     return out
 
 
+def _encodable(name: str) -> bool:
+    """Whether the OS can take `name` as a path (a lone surrogate from JSON cannot)."""
+    try:
+        os.fsencode(name)
+    except UnicodeError:
+        return False
+    return True
+
+
 def check_weight_file_name(index_file: Path, fname) -> None:
     """An index may only name safetensors files inside the checkpoint directory."""
-    if not isinstance(fname, str) or not fname or "\x00" in fname:
+    if not isinstance(fname, str) or not fname or "\x00" in fname or not _encodable(fname):
         raise CorruptCheckpointError(f"{index_file}: weight file name {str(fname)[:100]!r} is not a "
                                      "file name")
     p = PurePosixPath(fname)

@@ -8,6 +8,7 @@ read with positional reads at the offsets the validated header gives.
 from __future__ import annotations
 
 import os
+import stat
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -17,32 +18,25 @@ import torch
 from .. import trace
 from ..config import MoEConfig
 from ..errors import (
+    CheckpointError,
     CheckpointNotFoundError,
     CorruptCheckpointError,
     MissingTensorError,
-    UnreadableCheckpointError,
     UnsafeCheckpointError,
     UnsupportedCheckpointError,
 )
+from . import files
 from .header import (
     OTHER_WEIGHT_SUFFIXES,
     PICKLE_SUFFIXES,
+    ShardHeader,
     TensorInfo,
     check_weight_file_name,
+    load_shard_header,
     parse_json,
-    read_safetensors_header,
 )
 from .layout import INDEX_FILE, SINGLE_FILE
 from .staging import READ_THREADS, aligned
-
-
-def _open(fpath: Path):
-    try:
-        return open(fpath, "rb", buffering=0)
-    except FileNotFoundError:
-        raise CheckpointNotFoundError(f"{fpath}: vanished while reading") from None
-    except OSError as e:
-        raise UnreadableCheckpointError(f"{fpath}: cannot open: {e.strerror or e}") from None
 
 
 def _read_tensor(handle, fpath: Path, info: TensorInfo,
@@ -62,8 +56,8 @@ def _read_tensor(handle, fpath: Path, info: TensorInfo,
                     f"{info.nbytes} bytes (the file changed after its header was read?)")
             got += n
     except OSError as e:
-        raise UnreadableCheckpointError(f"{fpath}: cannot read tensor {info.name!r}: "
-                                        f"{e.strerror or e}") from None
+        err = files.os_error(e, fpath)
+        raise type(err)(f"{err} (reading tensor {info.name!r})") from None
     return buf.view(info.dtype).reshape(info.shape)
 
 
@@ -78,10 +72,12 @@ class Checkpoint:
     @trace.range("fp8_reload/index_read")
     def __init__(self, path):
         self.path = Path(path)
-        if not self.path.is_dir():
-            what = "is not a directory" if self.path.exists() else "checkpoint directory does not exist"
-            raise CheckpointNotFoundError(f"{self.path}: {what}")
-        self.hf_config = self._read_json(self.path / "config.json")
+        self._check_directory()
+        # What config.json and the index were parsed from: {name: (bytes, stamp)},
+        # None for no index. With each parsed shard header, what `unchanged()` checks.
+        self.sources: dict[str, tuple[bytes, tuple] | None] = {}
+        self._headers: dict[str, ShardHeader] = {}
+        self.hf_config = parse_json(self._read_source("config.json"), self.path / "config.json")
         if not isinstance(self.hf_config, dict):
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: not a JSON object")
         try:
@@ -89,8 +85,43 @@ class Checkpoint:
         except (KeyError, TypeError, ValueError, OverflowError) as e:
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
-        self._headers: dict[str, dict[str, TensorInfo]] = {}
         self.weight_map = self._weight_map()
+
+    def _check_directory(self) -> None:
+        try:
+            st = files.stat_path(self.path)
+        except CheckpointNotFoundError:
+            raise CheckpointNotFoundError(f"{self.path}: checkpoint directory does not exist") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise CheckpointNotFoundError(f"{self.path}: is not a directory")
+
+    def _read_source(self, name: str) -> bytes:
+        raw, stamp = files.read_small(self.path / name)
+        self.sources[name] = raw, stamp
+        return raw
+
+    def unchanged(self) -> bool:
+        """Whether config.json, the index and every shard header parsed so far are
+        still what was parsed: then this parse can be reused.
+
+        Both the stamps (inode, size, times; taken on the open file before it was
+        read, so never a stamp of one file over the parse of another) and the
+        parsed bytes themselves must match: a file rewritten in place within one
+        timestamp tick at the same size keeps its stamp. Costs a read of the two
+        small JSON files and one header read per parsed shard.
+        """
+        try:
+            for name, source in self.sources.items():
+                path = self.path / name
+                if (files.read_small(path) if files.exists(path) else None) != source:
+                    return False
+            for fname, header in list(self._headers.items()):
+                with files.open_regular(self.path / fname) as f:
+                    if not header.matches(f, self.path / fname):
+                        return False
+        except CheckpointError:
+            return False
+        return True
 
     def _quantization(self, qc) -> tuple[str, str]:
         where = f"{self.path / 'config.json'}: quantization_config"
@@ -113,43 +144,34 @@ class Checkpoint:
                                              f"for FP8 checkpoints, got {scheme!r}")
         return "fp8", scheme
 
-    @staticmethod
-    def _read_json(file: Path):
-        try:
-            raw = file.read_bytes()
-        except FileNotFoundError:
-            raise CheckpointNotFoundError(f"{file}: missing") from None
-        except OSError as e:
-            raise UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}") from None
-        return parse_json(raw, file)
-
     def _weight_map(self) -> dict[str, str]:
         """Tensor name -> shard file, from the index (or the single file's header)."""
         index_file = self.path / INDEX_FILE
-        if index_file.exists():
-            index = self._read_json(index_file)
+        if files.exists(index_file):
+            index = parse_json(self._read_source(INDEX_FILE), index_file)
             weight_map = index.get("weight_map") if isinstance(index, dict) else None
             if not isinstance(weight_map, dict) or not weight_map:
                 raise CorruptCheckpointError(f"{index_file}: no weight_map (an object from tensor "
                                              "name to file)")
-            files = set()
+            named = set()
             for fname in weight_map.values():
                 if not isinstance(fname, str):
                     raise CorruptCheckpointError(f"{index_file}: weight file name {str(fname)[:100]!r} "
                                                  "is not a string")
-                files.add(fname)
-            for fname in sorted(files):
+                named.add(fname)
+            for fname in sorted(named):
                 check_weight_file_name(index_file, fname)
             return weight_map
-        if (self.path / SINGLE_FILE).exists():
+        self.sources[INDEX_FILE] = None
+        if files.exists(self.path / SINGLE_FILE):
             return {n: SINGLE_FILE for n in self._header(SINGLE_FILE)}
-        files = sorted(p.name for p in self.path.iterdir())
-        pickles = [f for f in files if PurePosixPath(f).suffix.lower() in PICKLE_SUFFIXES]
+        names = files.list_dir(self.path)
+        pickles = [f for f in names if PurePosixPath(f).suffix.lower() in PICKLE_SUFFIXES]
         if pickles:
             raise UnsafeCheckpointError(
                 f"{self.path}: only pickle weight files ({', '.join(pickles[:5])}); refusing to "
                 "load them (unpickling runs code from the file). Convert the checkpoint to safetensors.")
-        others = [f for f in files if PurePosixPath(f).suffix.lower() in OTHER_WEIGHT_SUFFIXES]
+        others = [f for f in names if PurePosixPath(f).suffix.lower() in OTHER_WEIGHT_SUFFIXES]
         if others:
             raise UnsupportedCheckpointError(f"{self.path}: weight files {', '.join(others[:5])} are "
                                              "not safetensors; only safetensors weights are loaded")
@@ -157,14 +179,33 @@ class Checkpoint:
 
     def _header(self, fname: str) -> dict[str, TensorInfo]:
         """A shard's parsed header; read on first use so a filtered reload opens only
-        the shards that hold selected tensors."""
+        the shards that hold selected tensors. `fname` is the name the index gives
+        (a subfolder path too): header and tensor bytes come from that one file."""
         if fname not in self._headers:
             fpath = self.path / fname
-            if not fpath.exists():
+            try:
+                self._headers[fname] = load_shard_header(fpath, fname)
+            except CheckpointNotFoundError:
+                if self.sources.get(INDEX_FILE) is None or files.exists(fpath):
+                    raise
                 raise CheckpointNotFoundError(f"{self.path / INDEX_FILE}: names file {fname}, "
-                                              f"which does not exist ({fpath})")
-            self._headers[fname] = read_safetensors_header(fpath)
-        return self._headers[fname]
+                                              f"which does not exist ({fpath})") from None
+        return self._headers[fname].tensors
+
+    def _open_shard(self, fname: str):
+        """Open a shard for its tensor bytes, and make sure it is still the file whose
+        header was parsed (same size, same header bytes): a shard replaced or rewritten
+        since then is refused, never read at another file's offsets."""
+        fpath = self.path / fname
+        f = files.open_regular(fpath)
+        try:
+            if not self._headers[fname].matches(f, fpath):
+                raise CorruptCheckpointError(f"{fpath}: changed after its header was read (rewritten "
+                                             "or replaced while loading); nothing was read from it")
+        except BaseException:
+            f.close()
+            raise
+        return f
 
     def info(self, name: str) -> TensorInfo:
         fname = self.weight_map.get(name)
@@ -210,7 +251,7 @@ class Checkpoint:
                         h.close()
                     handles.clear()
                     with trace.range("fp8_reload/shard_open"):
-                        handles[info.file] = _open(fpath)
+                        handles[info.file] = self._open_shard(info.file)
                     stats["files_opened"] += 1
                 with trace.range("fp8_reload/tensor_read", payload=info.nbytes):
                     tensor = _read_tensor(handles[info.file], fpath, info)
@@ -221,11 +262,14 @@ class Checkpoint:
                 h.close()
 
     def _read_parallel(self, infos, arena, handles, stats):
+        """Read into the arena from `READ_THREADS` threads; yield each tensor, in
+        order, as soon as it (and all before it) has been read, so that a consumer
+        (the value check) works while later reads are still running."""
         arena.reset(sum(aligned(i.nbytes) for i in infos))
         slots = [arena.take(i.nbytes) for i in infos]
         with trace.range("fp8_reload/shard_open"):
             for f in sorted({i.file for i in infos}):
-                handles[f] = _open(self.path / f)
+                handles[f] = self._open_shard(f)
                 stats["files_opened"] += 1
         total = sum(i.nbytes for i in infos)
 
@@ -234,13 +278,21 @@ class Checkpoint:
             return _read_tensor(handles[info.file], self.path / info.file, info, out=slots[k])
 
         with trace.range("fp8_reload/tensor_read", payload=total):
-            if len(infos) > 1 and READ_THREADS > 1:
-                with ThreadPoolExecutor(min(READ_THREADS, len(infos))) as pool:
-                    tensors = list(pool.map(work, range(len(infos))))
-            else:
-                tensors = [work(k) for k in range(len(infos))]
-        stats["bytes_read"] += total
-        yield from ((i.name, t) for i, t in zip(infos, tensors))
+            if len(infos) <= 1 or READ_THREADS <= 1:
+                for k, info in enumerate(infos):
+                    tensor = work(k)
+                    stats["bytes_read"] += info.nbytes
+                    yield info.name, tensor
+                return
+            pool = ThreadPoolExecutor(min(READ_THREADS, len(infos)))
+            try:
+                futures = [pool.submit(work, k) for k in range(len(infos))]
+                for info, future in zip(infos, futures):
+                    tensor = future.result()
+                    stats["bytes_read"] += info.nbytes
+                    yield info.name, tensor
+            finally:  # an error, or the consumer stopped: no read outlives the handles
+                pool.shutdown(wait=True, cancel_futures=True)
 
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.weight_map)

@@ -14,43 +14,40 @@ from contextlib import contextmanager
 
 import torch
 
-from ..checkpoint import INDEX_FILE, Checkpoint, staging
-from ..device import on_cuda
+from ..checkpoint import Checkpoint, files, staging
+from ..checkpoint.values import ValueCheck
+from ..device import model_device, on_cuda
 from ..errors import (
     CheckpointMismatchError,
     FilterMatchedNothingError,
-    InvalidTensorError,
     MissingTensorError,
     ReloadError,
 )
 from .filters import NameFilter, expected_layout, units
 
 
-def _file_stamp(path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
-def _checkpoint_stamp(ckpt: Checkpoint) -> tuple:
-    files = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
-    return tuple(_file_stamp(ckpt.path / f) for f in files)
-
-
 def open_checkpoint(model, path) -> Checkpoint:
-    """The checkpoint at `path`, reusing the index and shard headers parsed by the
-    previous reload from the same path when none of its files changed (size,
-    mtime, ctime, inode): EPLB reloads one checkpoint many times, and parsing
-    its JSON is most of a small reload's planning."""
-    key = os.path.realpath(path)
+    """The checkpoint at `path`, reusing the config, index and shard headers parsed
+    by the previous reload from the same path while they are unchanged, byte for
+    byte (`Checkpoint.unchanged`): EPLB reloads one checkpoint many times, and
+    parsing its JSON is most of a small reload's planning. The comparison is by
+    content, not by file stamps, so neither a file rewritten within one timestamp
+    tick nor one replaced while it was being parsed can leave a stale parse."""
     cached = model.__dict__.get("_checkpoint_cache")
-    if cached is not None and cached[0] == key and cached[1] == _checkpoint_stamp(cached[2]):
+    if cached is not None and cached[0] == _key(path) and cached[2].unchanged():
         return cached[2]
+    model.__dict__.pop("_checkpoint_cache", None)
     ckpt = Checkpoint(path)
-    model.__dict__["_checkpoint_cache"] = (key, _checkpoint_stamp(ckpt), ckpt)
+    # [1] records what the parse was made from: the exact bytes of config.json and the index.
+    model.__dict__["_checkpoint_cache"] = (_key(path), dict(ckpt.sources), ckpt)
     return ckpt
+
+
+def _key(path) -> str:
+    try:
+        return os.path.realpath(path)
+    except (OSError, ValueError) as e:
+        raise files.os_error(e, path) from None
 
 
 def check_compatible(model, ckpt: Checkpoint) -> None:
@@ -116,20 +113,9 @@ def _check_layout(name: str, shape, dtype, expected, ckpt: Checkpoint) -> None:
 
 
 def _validate(staged: list[tuple[str, torch.Tensor]], expected, ckpt: Checkpoint) -> None:
-    """Layout of every tensor; scales finite and positive (checked all at once)."""
-    scales = []
+    """Every staged tensor has the layout the headers promised."""
     for name, tensor in staged:
         _check_layout(name, tensor.shape, tensor.dtype, expected, ckpt)
-        if name.endswith("_scale"):
-            scales.append((name, tensor))
-    if not scales:
-        return
-    values = torch.stack([t.reshape(()) if t.numel() == 1 else t.max() for _, t in scales])
-    if bool((~torch.isfinite(values) | (values <= 0)).any()):
-        for name, tensor in scales:  # rare path: name the first bad one
-            if bool((~torch.isfinite(tensor) | (tensor <= 0)).any()):
-                raise InvalidTensorError(f"{_where(ckpt, name)}: scale must be finite and "
-                                         f"positive, got {tensor.tolist()}")
 
 
 def stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_all: bool,
@@ -138,16 +124,26 @@ def stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_al
 
     Onto a GPU the tensors land in the model's pinned staging arena (parallel
     reads; every host-to-device copy of the commit is then one async DMA).
+    Values are checked on the model's device (`ValueCheck`): on a GPU the check
+    copies each batch into a reused device buffer and runs there while the later
+    reads are still running. Each tensor is read from disk once.
     """
     expected = expected_layout(model)
+    check = ValueCheck(model_device(model))
+    staged = []
     if scan_all:  # upstream: read everything, filter afterwards
         it = ckpt.read(ckpt.names, stats)
         keep = set(names)
-        staged = [(n, t) for n, t in it if n in keep]
     else:
         into = staging.arena(model, "staging") if on_cuda(model) else None
-        staged = list(ckpt.read(names, stats, into=into))
+        it = ckpt.read(names, stats, into=into)
+        keep = None
+    for name, tensor in it:
+        if keep is None or name in keep:
+            staged.append((name, tensor))
+            check.add(name, tensor)
     _validate(staged, expected, ckpt)
+    check.raise_if_invalid(lambda name: _where(ckpt, name))
     return staged
 
 
@@ -158,6 +154,8 @@ def nothing_written(path):
         yield
     except ReloadError:
         raise
+    except OSError as e:  # not mapped where it happened: the one mapping still applies
+        raise files.os_error(e, e.filename or path) from e
     except Exception as e:  # e.g. MemoryError while staging
         raise ReloadError(f"{path}: reload failed before anything was written: "
                           f"{type(e).__name__}: {e}") from e

@@ -1,0 +1,173 @@
+"""Opening checkpoint files: regular files only, never blocking, OS errors mapped once.
+
+Every file of a checkpoint (config.json, the index, each shard) is input from
+outside the server. Anything that is not a regular file is refused before it is
+opened for reading: opening a FIFO for reading blocks until some writer appears
+(forever, and a reload holds the model's reload lock meanwhile), a character
+device such as /dev/zero or /dev/urandom never ends, a socket cannot be opened,
+a directory cannot be read. Symlinks are followed (Hugging Face hub caches link
+snapshot files into blobs/); their target is what must be a regular file.
+
+Three checks, so that no race can block: `os.stat` first; then `os.open` with
+O_NONBLOCK, so that a file swapped for a FIFO between the two still opens at
+once; then `fstat` of the opened descriptor, so the check applies to exactly the
+file that is read.
+
+`os_error` turns an `OSError` into the `CheckpointError` subclass a user sees;
+every entry point (`Checkpoint`, `load_model`, `update_weights_from_disk`) goes
+through it, so a missing file is always `CheckpointNotFoundError` and a file
+that exists but cannot be read (permissions, a symlink loop, an I/O error) is
+always `UnreadableCheckpointError`.
+"""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+import stat
+
+from ..errors import (
+    CheckpointError,
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    UnreadableCheckpointError,
+)
+
+# config.json and the index are read whole; real ones are kilobytes to a few MB.
+# A bigger file is refused rather than read into memory (a symlink to a huge file).
+MAX_JSON_BYTES = 100_000_000
+_OPEN_FLAGS = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+               | getattr(os, "O_NOCTTY", 0))
+_NOT_FOUND = (errno.ENOENT, errno.ENOTDIR)
+
+
+def os_error(e: OSError | ValueError, file) -> CheckpointError:
+    """The `CheckpointError` for an OS error met while opening or reading `file`.
+
+    ValueError covers paths the OS cannot take at all: an embedded NUL byte, or a
+    name that cannot be encoded for the file system (such a file cannot exist).
+    """
+    if isinstance(e, ValueError):
+        return CheckpointNotFoundError(f"{file!s}: not a valid path ({e})")
+    if isinstance(e, FileNotFoundError | NotADirectoryError) or e.errno in _NOT_FOUND:
+        return CheckpointNotFoundError(f"{file}: missing")
+    return UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}")
+
+
+def kind_of(mode: int) -> str:
+    """What a non-regular file is, in words."""
+    if stat.S_ISDIR(mode):
+        return "a directory"
+    if stat.S_ISFIFO(mode):
+        return "a FIFO (named pipe)"
+    if stat.S_ISSOCK(mode):
+        return "a socket"
+    if stat.S_ISCHR(mode):
+        return "a character device"
+    if stat.S_ISBLK(mode):
+        return "a block device"
+    return "not a regular file"
+
+
+def stat_path(path) -> os.stat_result:
+    """`os.stat` (symlinks followed), errors mapped by `os_error`."""
+    try:
+        return os.stat(path)
+    except (OSError, ValueError) as e:
+        raise os_error(e, path) from None
+
+
+def exists(path) -> bool:
+    """Whether `path` names something (after symlinks); other errors (permissions,
+    symlink loops) raise instead of reading as 'absent'."""
+    try:
+        os.stat(path)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except (OSError, ValueError) as e:
+        raise os_error(e, path) from None
+    return True
+
+
+def require_regular(st: os.stat_result, path) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise UnreadableCheckpointError(f"{path}: cannot read: {kind_of(st.st_mode)}, not a "
+                                        "regular file")
+
+
+def open_regular(path) -> io.FileIO:
+    """Open `path` for reading if and only if it is a regular file (see the module doc).
+
+    Returns an unbuffered binary file; its descriptor is safe for positional reads
+    from several threads.
+    """
+    require_regular(stat_path(path), path)
+    try:
+        fd = os.open(path, _OPEN_FLAGS)
+    except (OSError, ValueError) as e:
+        raise os_error(e, path) from None
+    try:
+        try:
+            st = os.fstat(fd)
+        except OSError as e:
+            raise os_error(e, path) from None
+        require_regular(st, path)  # it was swapped since the stat above
+        return io.FileIO(fd, "rb", closefd=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def fstat(f: io.FileIO, path) -> os.stat_result:
+    try:
+        return os.fstat(f.fileno())
+    except OSError as e:
+        raise os_error(e, path) from None
+
+
+def stamp(st: os.stat_result) -> tuple[int, ...]:
+    """Which file, and which version of it: (device, inode, size, mtime_ns, ctime_ns).
+
+    Taken with `fstat` on the descriptor that is then read, so a stamp always
+    belongs to the bytes that were read. Timestamps tick coarsely (a rewrite in
+    place within one tick at the same size keeps all five), so callers that reuse
+    a parse compare the parsed bytes too.
+    """
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns
+
+
+def pread(f: io.FileIO, n: int, offset: int, path) -> bytes:
+    """Up to `n` bytes at `offset` (fewer only at the end of the file); positional,
+    so threads may share `f`."""
+    out = []
+    got = 0
+    try:
+        while got < n:
+            chunk = os.pread(f.fileno(), min(n - got, 1 << 30), offset + got)
+            if not chunk:
+                break
+            out.append(chunk)
+            got += len(chunk)
+    except OSError as e:
+        raise os_error(e, path) from None
+    return b"".join(out)
+
+
+def read_small(path, limit: int = MAX_JSON_BYTES) -> tuple[bytes, tuple[int, ...]]:
+    """(all bytes, stamp) of a small regular file (config.json, the index), at most
+    `limit` bytes; the stamp is taken on the open file before it is read."""
+    with open_regular(path) as f:
+        st = stamp(fstat(f, path))
+        raw = pread(f, limit + 1, 0, path)
+    if len(raw) > limit:
+        raise CorruptCheckpointError(f"{path}: too large: more than {limit} bytes; refusing to "
+                                     "read it")
+    return raw, st
+
+
+def list_dir(path) -> list[str]:
+    try:
+        return sorted(os.listdir(path))
+    except (OSError, ValueError) as e:
+        raise os_error(e, path) from None
