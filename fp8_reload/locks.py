@@ -17,7 +17,10 @@ stream finish before weights change) and again before releasing it.
 
 Re-entry: a thread holding the lock for a forward may run nested forwards;
 the committing thread may run forwards (it sees its own writes). A reload from
-inside a forward of the same model would deadlock and raises instead.
+inside a forward of the same model would deadlock and raises instead: the
+reload asks `held_for_reading` before it takes the model's reload lock, since
+waiting for that lock (held by another reload, itself waiting for this forward
+to finish) would deadlock just as surely as waiting for the write lock.
 """
 
 from __future__ import annotations
@@ -89,6 +92,12 @@ class WeightsLock:
                 self._writer = None
                 self._write_depth = 0
                 self._cond.notify_all()
+
+    @property
+    def held_for_reading(self) -> bool:
+        """Whether the calling thread is inside a forward (holds read access) and not
+        the writer: it must not wait for anything that waits for the write lock."""
+        return self._read_depth() > 0 and self._writer != threading.get_ident()
 
     @property
     def readers(self) -> int:

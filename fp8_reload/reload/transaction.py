@@ -25,9 +25,11 @@ transaction costs) and per-phase `seconds`.
 
 from __future__ import annotations
 
+import threading
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -95,6 +97,28 @@ class _Progress:
             yield name, tensor
 
 
+@contextmanager
+def _exclusive(model: FP8MoEModel, path):
+    """Hold the model's reload lock, refusing the two calls that could never get it:
+    a reload from inside a forward of this model (another reload may hold the lock
+    while it waits for that very forward to finish: a deadlock, whoever came
+    first), and one from inside a reload of this model on the same thread (a hook
+    or loader calling back would re-enter the transaction half-way)."""
+    me = threading.get_ident()
+    if model.weights_lock.held_for_reading:
+        raise ReloadError(f"{Path(path)}: cannot write the weights from inside a forward of the "
+                          "same model (it would wait for itself); nothing was written")
+    if model.__dict__.get("_reload_thread") == me:
+        raise ReloadError(f"{Path(path)}: a reload of this model is already running on this "
+                          "thread (this call comes from inside it); nothing was written")
+    with model.reload_lock:
+        model.__dict__["_reload_thread"] = me
+        try:
+            yield
+        finally:
+            model.__dict__["_reload_thread"] = None
+
+
 @trace.range("fp8_reload/reload")
 def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameFilter | None = None,
                              *, scan_all: bool | None = None,
@@ -128,7 +152,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     report = ReloadReport(mode=mode.name, full=weight_name_filter is None)
     timer = _Timer(report.seconds)
     t0 = time.perf_counter()
-    with model.reload_lock:
+    with _exclusive(model, path):
         undefined = getattr(model, "weights_undefined", None)
         if undefined and weight_name_filter is not None:
             raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
