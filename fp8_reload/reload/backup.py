@@ -134,39 +134,55 @@ def capture_backup(model, names: list[str], process_all: bool,
 
 @contextmanager
 def sigint_deferred():
-    """Hold Ctrl-C while restoring a backup (main thread only), re-raise it after.
+    """Hold Ctrl-C back while a backup is restored (main thread only), then hand it
+    to the handler that was installed before, as if it arrived just then.
 
-    A handler not installed from Python (`signal.signal` returns None) cannot be
-    put back, so then nothing is deferred.
+    Handing over means putting that handler back and raising SIGINT again, so it
+    does exactly what it would have done: an application's Python handler is
+    called (with SIGINT and the current frame), Python's default one raises
+    KeyboardInterrupt, SIG_DFL ends the process (after the restore, not in the
+    middle of it). Under SIG_IGN nothing can interrupt the restore and nothing is
+    installed. A handler not installed from Python (`signal.getsignal` returns
+    None) could not be put back once replaced: then nothing is installed and
+    nothing is deferred. What was there before is always what is there after.
     """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        old = signal.getsignal(signal.SIGINT)
+    except ValueError:  # signals are not available here
+        old = None
+    if old is None or old is signal.SIG_IGN:
+        yield
+        return
     received = []
-    old = None
-    if threading.current_thread() is threading.main_thread():
-        try:
-            old = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-        except (ValueError, OSError):  # not the main interpreter, or no signals here
-            old = None
+    try:
+        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+    except (ValueError, OSError):  # not the main interpreter
+        yield
+        return
     try:
         yield
     finally:
-        if old is not None:
-            signal.signal(signal.SIGINT, old)
-    if received:
-        raise KeyboardInterrupt
+        signal.signal(signal.SIGINT, old)
+        if received:
+            signal.raise_signal(signal.SIGINT)
 
 
 def roll_back(model, backup: Backup, fault: BaseException, ckpt, doing: str) -> None:
-    """Restore the backup; RollbackError (and mark the model) if that fails too."""
-    try:
-        with sigint_deferred():
+    """Restore the backup; RollbackError (and mark the model) if that fails too.
+
+    The model is marked before a deferred Ctrl-C is handed on, so an interrupt
+    arriving during a failing restore cannot leave undefined weights unmarked.
+    """
+    with sigint_deferred():
+        try:
             backup.restore()
             synchronize(model)
-    except KeyboardInterrupt:
-        raise
-    except BaseException as e:
-        reason = (f"reload from {ckpt.path} failed while {doing} ({type(fault).__name__}: {fault}) "
-                  f"and restoring the backup failed too ({type(e).__name__}: {e})")
-        model.weights_undefined = reason
-        raise RollbackError(f"{reason}: the model's weights are undefined; reload it fully "
-                            "(weight_name_filter=None) to repair it") from e
-
+        except BaseException as e:
+            reason = (f"reload from {ckpt.path} failed while {doing} ({type(fault).__name__}: "
+                      f"{fault}) and restoring the backup failed too ({type(e).__name__}: {e})")
+            model.weights_undefined = reason
+            raise RollbackError(f"{reason}: the model's weights are undefined; reload it fully "
+                                "(weight_name_filter=None) to repair it") from e
