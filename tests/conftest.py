@@ -87,3 +87,14 @@ def time_limit(seconds: float):
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
+
+
+@contextmanager
+def fail_if_hangs(seconds: float):
+    """`time_limit`, with a hang reported as this test's failure (a bare KeyboardInterrupt
+    would end the whole pytest session)."""
+    try:
+        with time_limit(seconds):
+            yield
+    except Hang as e:
+        pytest.fail(f"hung: {e}")

@@ -32,7 +32,7 @@ from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.layers import EXPERT_RE, FusedMoE
 
 from . import bad_checkpoints as bad
-from .conftest import copy_checkpoint, mix_checkpoints, time_limit, tokens
+from .conftest import copy_checkpoint, fail_if_hangs, mix_checkpoints, tokens
 
 KINDS = ["fp8", "bf16"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -85,7 +85,7 @@ def test_bad_checkpoint_is_refused_and_model_unchanged(built, ckpts, tiny_cfg, c
     x = tokens(tiny_cfg)
     y0 = model(x)
     before = fr.snapshot(model)
-    with time_limit(WAIT), bad.watch() as code_run, pytest.raises(fr.ReloadError) as info:
+    with fail_if_hangs(WAIT), bad.watch() as code_run, pytest.raises(fr.ReloadError) as info:
         fr.update_weights_from_disk(model, path, bad.weight_name_filter(case))
     err = info.value
     assert type(err) is case.error, f"{type(err).__name__}: {err}"
@@ -101,7 +101,7 @@ def test_bad_checkpoint_is_refused_and_model_unchanged(built, ckpts, tiny_cfg, c
                                        for c in bad.CASES if c.bad_alone for k in c.kinds])
 def test_bad_checkpoint_fails_a_fresh_load_with_the_same_error(built, case, kind):
     path, mentions, work = built(case, kind)
-    with time_limit(WAIT), bad.watch() as code_run, pytest.raises(case.error):
+    with fail_if_hangs(WAIT), bad.watch() as code_run, pytest.raises(case.error):
         fr.load_model(path)
     assert code_run == [] and not (work / "MARKER").exists()
 
@@ -678,3 +678,246 @@ def test_a_reload_from_inside_a_forward_is_refused_not_deadlocked(ckpts, outputs
     assert not t.is_alive(), "deadlocked"
     assert len(errors) == 1 and "inside a forward" in str(errors[0])
     assert unchanged(model, before) == []
+
+
+# ---------------------------------------------------------------- reload from a forward,
+# while another reload runs: every interleaving raises, none deadlocks
+
+INTERLEAVINGS = ["other-reload-reading", "other-reload-waiting-to-commit", "other-reload-committing"]
+
+
+@pytest.mark.parametrize("when", INTERLEAVINGS)
+def test_a_reload_from_a_forward_raises_whatever_another_reload_is_doing(ckpts, outputs, monkeypatch,
+                                                                          when):
+    """Thread R reloads the model; thread F runs a forward whose hook asks for a reload
+    of the same model. Before the fix, F waited for the reload lock that R held while R
+    waited for F's forward to end. Now F's request raises at once, F's forward and R's
+    reload both finish, and the model ends up as R left it."""
+    x, _, y1 = outputs()
+    model = fr.load_model(ckpts["fp8", 0])
+    in_hook, go = threading.Event(), threading.Event()
+    errors: list = []
+
+    def hook(module, args, out):
+        if threading.current_thread().name != "F":
+            return
+        in_hook.set()
+        assert go.wait(WAIT)
+        try:
+            fr.update_weights_from_disk(model, ckpts["fp8", 1])
+        except fr.ReloadError as e:
+            errors.append(e)
+
+    model.model.register_forward_hook(hook)
+
+    def start_forward():
+        t = threading.Thread(target=model, args=(x,), name="F", daemon=True)
+        t.start()
+        return t
+
+    if when == "other-reload-reading":  # R holds the reload lock, reading; F then runs
+        reading, resume = threading.Event(), threading.Event()
+        orig = Checkpoint.read
+
+        def slow_read(self, names, stats=None, into=None):
+            for i, item in enumerate(orig(self, names, stats, into=into)):
+                if i == 1 and threading.current_thread().name == "R":
+                    reading.set()
+                    assert resume.wait(WAIT)
+                yield item
+
+        monkeypatch.setattr(Checkpoint, "read", slow_read)
+        reload_t = threading.Thread(target=fr.update_weights_from_disk, args=(model, ckpts["fp8", 1]),
+                                    name="R", daemon=True)
+        reload_t.start()
+        assert reading.wait(WAIT)
+        fwd = start_forward()
+        go.set()
+        fwd.join(WAIT)
+        assert not fwd.is_alive(), "deadlock: the forward's reload waited for the reload lock"
+        resume.set()
+    elif when == "other-reload-waiting-to-commit":  # F in a forward; R queues for the commit
+        fwd = start_forward()
+        assert in_hook.wait(WAIT)
+        reload_t = threading.Thread(target=fr.update_weights_from_disk, args=(model, ckpts["fp8", 1]),
+                                    name="R", daemon=True)
+        reload_t.start()
+        deadline = time.monotonic() + WAIT
+        while model.weights_lock._writers_waiting == 0:
+            assert time.monotonic() < deadline, "the reload never queued for the commit"
+            time.sleep(0.005)
+        go.set()
+        fwd.join(WAIT)
+        assert not fwd.is_alive(), "deadlock: the forward's reload waited for the reload lock"
+    else:  # R commits; F's forward waits for it, then its hook asks for a reload
+        gate = Gate(monkeypatch, FusedMoE, "_load_into_slot", at=40)
+        reload_t = threading.Thread(target=fr.update_weights_from_disk, args=(model, ckpts["fp8", 1]),
+                                    name="R", daemon=True)
+        reload_t.start()
+        assert gate.reached.wait(WAIT)
+        go.set()
+        fwd = start_forward()
+        fwd.join(0.2)
+        assert fwd.is_alive() and not in_hook.is_set(), "a forward ran during the commit"
+        gate.open.set()
+        fwd.join(WAIT)
+        assert not fwd.is_alive()
+    reload_t.join(WAIT)
+    assert not reload_t.is_alive()
+    assert len(errors) == 1 and "inside a forward" in str(errors[0]), errors
+    assert torch.equal(model(x), y1)  # R's reload went through; F's request changed nothing
+
+
+def test_a_reload_from_inside_a_reload_on_the_same_thread_is_refused(ckpts, monkeypatch):
+    """A loader (or a hook it runs) calling back into update_weights_from_disk would
+    re-enter the transaction half-way on the same thread (the reload lock is
+    re-entrant): refused, and the outer reload rolls back."""
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    orig = FusedMoE._load_into_slot
+    inner = []
+
+    def calls_back(self, *args, **kwargs):
+        if not inner:
+            try:
+                fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter({1: [0]}))
+            except fr.ReloadError as e:
+                inner.append(e)
+                raise
+        return orig(self, *args, **kwargs)
+
+    monkeypatch.setattr(FusedMoE, "_load_into_slot", calls_back)
+    with pytest.raises(fr.CommitError) as info:
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert inner and "already running on this thread" in str(inner[0])
+    assert info.value.__cause__ is inner[0]
+    assert unchanged(model, before) == []
+    monkeypatch.undo()
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # nothing left held
+
+
+# ---------------------------------------------------------------- Ctrl-C during a restore
+# goes to whatever handler was installed before
+
+def _restore_with_sigint(monkeypatch, progress):
+    orig = backup_mod.Backup.restore
+
+    def restore(self):
+        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode boundary
+        time.sleep(0.01)
+        orig(self)
+        progress.append("restored")
+
+    monkeypatch.setattr(backup_mod.Backup, "restore", restore)
+
+
+@pytest.fixture
+def sigint_handler():
+    """Install a SIGINT handler for the test; the previous one is put back after."""
+    old = signal.getsignal(signal.SIGINT)
+    yield lambda h: signal.signal(signal.SIGINT, h)
+    signal.signal(signal.SIGINT, old)
+
+
+class AppInterrupt(Exception):
+    pass
+
+
+@pytest.mark.parametrize("previous", ["ignored", "app-handler", "app-handler-raises"])
+def test_ctrl_c_during_restore_goes_to_the_previous_handler(ckpts, monkeypatch, sigint_handler,
+                                                            previous):
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
+    progress: list = []
+    _restore_with_sigint(monkeypatch, progress)
+
+    def app_handler(signum, frame):
+        progress.append(("handler", signum, frame is not None))
+        if previous == "app-handler-raises":
+            raise AppInterrupt("the application's own Ctrl-C")
+
+    handler = signal.SIG_IGN if previous == "ignored" else app_handler
+    sigint_handler(handler)
+    expected = {"ignored": fr.CommitError, "app-handler": fr.CommitError,
+                "app-handler-raises": AppInterrupt}[previous]
+    with pytest.raises(expected):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    if previous == "ignored":
+        assert progress == ["restored"]
+    else:  # called once, after the restore, with (SIGINT, a frame)
+        assert progress == ["restored", ("handler", signal.SIGINT, True)]
+    assert signal.getsignal(signal.SIGINT) is handler
+    assert unchanged(model, before) == []
+
+
+def test_a_handler_not_installed_from_python_is_left_alone(ckpts, monkeypatch):
+    """`signal.getsignal` returns None for a handler installed outside Python: it could
+    not be put back once replaced, so the restore installs nothing at all."""
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
+    installed = []
+    real_signal, real_getsignal = signal.signal, signal.getsignal
+    monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real_getsignal(s))
+    monkeypatch.setattr(signal, "signal", lambda s, h: installed.append((s, h)) or real_signal(s, h))
+    with pytest.raises(fr.CommitError):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert [s for s, _ in installed] == [] and unchanged(model, before) == []
+
+
+_SIG_DFL_CHILD = r"""
+import os, signal, sys, time
+import fp8_reload as fr
+import fp8_reload.reload.backup as backup_mod
+from fp8_reload.layers import FusedMoE
+model = fr.load_model(sys.argv[1])
+calls = [0]
+load = FusedMoE._load_into_slot
+def failing(self, *a, **k):
+    calls[0] += 1
+    load(self, *a, **k)
+    if calls[0] == 20:
+        raise RuntimeError("device fault")
+FusedMoE._load_into_slot = failing
+restore = backup_mod.Backup.restore
+def restore_with_sigint(self):
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.01)
+    restore(self)
+    print("restored", flush=True)
+backup_mod.Backup.restore = restore_with_sigint
+signal.signal(signal.SIGINT, signal.SIG_DFL)
+try:
+    fr.update_weights_from_disk(model, sys.argv[2])
+finally:
+    print("still running after the restore", flush=True)
+"""
+
+
+def test_ctrl_c_under_sig_dfl_ends_the_process_after_the_restore(ckpts):
+    """SIG_DFL means: Ctrl-C terminates the process. It still does, once the model is whole."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, "-c", _SIG_DFL_CHILD, str(ckpts["fp8", 0]),
+                           str(ckpts["fp8", 1])], capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines() == ["restored"], proc.stdout
+
+
+def test_ctrl_c_during_a_failing_restore_still_marks_the_model(ckpts, monkeypatch):
+    """The restore fails and Ctrl-C arrives meanwhile: KeyboardInterrupt reaches the
+    caller, and the model is marked undefined first (only a full reload is accepted)."""
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    Fault(monkeypatch, FusedMoE, "_load_into_slot", 10, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, backup_mod, "index_copy_", 1, RuntimeError("device lost"), model, before)
+    _restore_with_sigint(monkeypatch, [])
+    with pytest.raises(KeyboardInterrupt):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter(FILTERED))
+    assert model.weights_undefined and "restoring the backup failed too" in model.weights_undefined
+    monkeypatch.undo()
+    with pytest.raises(fr.RollbackError, match="only a full reload"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 0], fr.generate_weight_name_filter({1: [0]}))

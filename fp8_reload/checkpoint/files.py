@@ -154,15 +154,17 @@ def pread(f: io.FileIO, n: int, offset: int, path) -> bytes:
     return b"".join(out)
 
 
-def read_small(path, limit: int = MAX_JSON_BYTES) -> tuple[bytes, tuple[int, ...]]:
+def read_small(path, limit: int | None = None) -> tuple[bytes, tuple[int, ...]]:
     """(all bytes, stamp) of a small regular file (config.json, the index), at most
-    `limit` bytes; the stamp is taken on the open file before it is read."""
+    `limit` bytes (default `MAX_JSON_BYTES`); the stamp is taken on the open file
+    before it is read. Too big a file is refused by its size, before reading."""
+    limit = MAX_JSON_BYTES if limit is None else limit
     with open_regular(path) as f:
         st = stamp(fstat(f, path))
-        raw = pread(f, limit + 1, 0, path)
-    if len(raw) > limit:
-        raise CorruptCheckpointError(f"{path}: too large: more than {limit} bytes; refusing to "
-                                     "read it")
+        raw = b"" if st[2] > limit else pread(f, limit + 1, 0, path)
+    if max(st[2], len(raw)) > limit:
+        raise CorruptCheckpointError(f"{path}: too large: {max(st[2], len(raw))} bytes, more "
+                                     f"than {limit}; refusing to read it")
     return raw, st
 
 

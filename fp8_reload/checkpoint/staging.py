@@ -38,7 +38,7 @@ class PinnedArena:
 
     def reset(self, nbytes: int) -> None:
         """Make room for `nbytes` (aligned pieces included) and start handing out from 0."""
-        if nbytes > self.capacity:
+        if nbytes > self.capacity or self.buffer is None:
             self.buffer = None  # release the old one first: pinned memory is precious
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
         self.used = 0

@@ -192,7 +192,7 @@ class ValueCheck:
         device = self.device
         if device is None or (not self.copy and all(t.device == device for _, t in batch)):
             return batch
-        runs = _contiguous_runs(batch)
+        runs = _contiguous_runs([(n, t) for n, t in batch if t.numel()])  # empty: nothing to check
         total = sum(_align(hi - lo) for _, lo, hi, _ in runs)
         if self._buffer is None or self._buffer.numel() < total or self._buffer.device != device:
             self._buffer = None
