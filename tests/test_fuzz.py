@@ -248,7 +248,9 @@ def index_files(draw, real: dict) -> bytes:
     shards = sorted(set(real.values()))
     nasty = ["../ckpt/" + shards[0], "/etc/passwd", "pytorch_model.bin", "model.gguf", "",
              "x\x00.safetensors", "missing.safetensors", "sub/model.safetensors", shards[0].upper(),
-             "model.pt"]
+             "model.pt", "./" + shards[0], "sub//" + shards[0], "sub/./" + shards[0],
+             "sub/../" + shards[0], "model-\ud800.safetensors", "sub/missing.safetensors"]
+    nasty += [f"sub/{f}" for f in shards] + [f"{f}.safetensors" for f in SPECIAL_FILES]
     style = draw(st.sampled_from(["perturbed", "perturbed", "random", "junk", "bytes"]))
     if style == "bytes":
         return draw(st.binary(max_size=256))
@@ -283,14 +285,32 @@ def real_weight_map(good):
     return json.loads((good / INDEX_FILE).read_text())["weight_map"]
 
 
+# Names an index may give that are not regular files: each is made in the fuzzed directory.
+SPECIAL_FILES = ["fifo", "zero", "dir", "loop"]
+
+
+def _add_special_files(d: Path, shards: list[str]) -> None:
+    """sub/ with the same shards (hard links: same data, so a reload through them leaves
+    the model as it was), a FIFO, /dev/zero, a directory and a symlink loop."""
+    (d / "sub").mkdir()
+    for f in shards:
+        os.link(d / f, d / "sub" / f)
+    os.mkfifo(d / "fifo.safetensors")
+    os.symlink("/dev/zero", d / "zero.safetensors")
+    (d / "dir.safetensors").mkdir()
+    os.symlink(d / "loop.safetensors", d / "loop.safetensors")
+
+
 def test_index_fuzz(good, model_and_state, real_weight_map):
     model, before = model_and_state
+    shards = sorted(set(real_weight_map.values()))
 
     @fuzz_settings(200)
     @given(raw=index_files(real_weight_map), full=st.booleans())
     def check(raw, full):
         with tempfile.TemporaryDirectory() as tmp:
             d = _dir_like(good, Path(tmp), skip={INDEX_FILE})
+            _add_special_files(d, shards)
             (d / INDEX_FILE).write_bytes(raw)
             only_reload_errors(_read_everything, d)
             flt = None if full else fr.generate_weight_name_filter({1: [2], 2: [6]})
@@ -322,6 +342,112 @@ def test_config_fuzz(good, model_and_state):
             only_reload_errors(fr.Checkpoint, d)
             only_reload_errors(fr.update_weights_from_disk, model, d,
                                fr.generate_weight_name_filter({1: [1]}))
+        assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+    check()
+
+
+# One config.json field set to one value: accepted exactly when the value is one a
+# model can have. Sizes: JSON integers >= 1 (0 allowed where marked); floats: finite
+# numbers in range; flags: booleans. Anything else names the field.
+SIZE_FIELDS = {"hidden_size": 1, "num_hidden_layers": 1, "n_routed_experts": 1,
+               "moe_intermediate_size": 1, "intermediate_size": 1, "num_experts_per_tok": 1,
+               "num_attention_heads": 1, "qk_head_dim": 1, "v_head_dim": 1,
+               "n_shared_experts": 0, "first_k_dense_replace": 0}
+FLOAT_FIELDS = {"rms_norm_eps": 1.0, "routed_scaling_factor": 1e6}  # (0, max]
+field_values = (st.integers(-3, 70) | st.sampled_from([10**30, 2**63, -(2**63)])
+                | st.floats(allow_nan=True, allow_infinity=True) | st.booleans() | st.none()
+                | st.sampled_from(["64", "nan", "-inf", "1e-6", "", "true"]) | st.just([64]))
+
+
+def _acceptable(hf: dict, key: str, v) -> bool:
+    """The oracle. Drawn integers are either at most 70 (far below every cap) or at
+    least 2**63 in size (above every cap)."""
+    if v is None:  # null: the default of an optional field, an error for a required one
+        return key in ("n_shared_experts", "first_k_dense_replace", "rms_norm_eps",
+                       "routed_scaling_factor", "norm_topk_prob")
+    if key == "norm_topk_prob":
+        return isinstance(v, bool)
+    if isinstance(v, bool | str | list):
+        return False
+    if key in FLOAT_FIELDS:
+        return math.isfinite(v) and 0 < v <= FLOAT_FIELDS[key]
+    if not isinstance(v, int) or not SIZE_FIELDS[key] <= v <= 70:
+        return False
+    cfg = {**hf, key: v}
+    return (cfg["num_experts_per_tok"] <= cfg["n_routed_experts"]
+            and cfg["first_k_dense_replace"] <= cfg["num_hidden_layers"])
+
+
+def test_config_field_values(good):
+    hf = json.loads((good / "config.json").read_text())
+
+    @fuzz_settings(300)
+    @given(key=st.sampled_from(sorted(SIZE_FIELDS) + sorted(FLOAT_FIELDS) + ["norm_topk_prob"]),
+           value=field_values)
+    def check(key, value):
+        cfg = {**hf, key: value}
+        try:
+            parsed = fr.MoEConfig.from_hf_config(cfg)
+        except ValueError as e:
+            assert not _acceptable(hf, key, value), f"{key}={value!r} refused: {e}"
+            assert repr(key) in str(e), e
+        else:
+            assert _acceptable(hf, key, value), f"{key}={value!r} accepted"
+            assert fr.MoEConfig.from_hf_config(parsed.to_hf_config()) == parsed
+        with tempfile.TemporaryDirectory() as tmp:
+            d = _dir_like(good, Path(tmp), skip={"config.json"})
+            # JSON has no NaN (refused by the JSON layer); 1e999 is how it spells inf
+            text = json.dumps(cfg).replace("Infinity", "1e999")
+            (d / "config.json").write_text(text)
+            out = only_reload_errors(fr.Checkpoint, d)
+            if isinstance(out, fr.ReloadError):
+                named = repr(key) in str(out) or ("NaN" in text and "NaN is not valid JSON" in str(out))
+                assert type(out) is fr.CorruptCheckpointError and named, out
+
+    check()
+
+
+@pytest.mark.parametrize("preset", fr.MoEConfig.PRESETS)
+def test_every_preset_round_trips_through_config_json(preset):
+    for cfg in (fr.MoEConfig.preset(preset), fr.MoEConfig.preset(preset, num_layers=2)):
+        hf = json.loads(json.dumps(cfg.to_hf_config()))
+        assert fr.MoEConfig.from_hf_config(hf) == cfg
+
+
+class _BadBool:
+    def __bool__(self):
+        raise ValueError("no truth value")
+
+
+filter_results = st.sampled_from([True, False, 0, 1, None, "", "yes", [], [0], 0.0, float("nan")]) \
+    | st.builds(_BadBool)
+
+
+def test_filter_results_fuzz(good, model_and_state):
+    """Whatever a weight_name_filter returns: its truth value selects; a result without
+    one is a ReloadError naming the filter; nothing selected is FilterMatchedNothingError."""
+    model, before = model_and_state
+    names = fr.Checkpoint(good).names
+
+    @fuzz_settings(100)
+    @given(results=st.dictionaries(st.sampled_from(names), filter_results, max_size=12),
+           default=filter_results)
+    def check(results, default):
+        def flt(name):
+            return results.get(name, default)
+
+        try:
+            truths = [bool(flt(n)) for n in names]
+        except ValueError:
+            truths = None
+        out = only_reload_errors(fr.update_weights_from_disk, model, good, flt)
+        if truths is None:
+            assert isinstance(out, fr.ReloadError) and "weight_name_filter raised" in str(out)
+        elif not any(truths):
+            assert type(out) is fr.FilterMatchedNothingError, out
+        else:
+            assert not isinstance(out, fr.ReloadError), out
         assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
 
     check()
