@@ -35,6 +35,7 @@ from .common import (
     device_peak_bytes,
     fraction_experts,
     loaded_model,
+    require,
     requires_cuda,
     synchronized,
 )
@@ -106,6 +107,45 @@ class FullReload(_ReloadCase):
         return self._run().bytes_read
 
     track_bytes_read.unit = "bytes"
+
+
+@synchronized
+class ValidateStaged(CheckpointSuite):
+    """The value check of a full reload's staged tensors (FP8 NaN bytes, non-finite
+    floats, scales: `fp8_reload.checkpoint.values`), beside `FullReload` with the same
+    parameters: what validating every value costs.
+
+    ``time_validate``           the check as a GPU reload runs it, from the pinned staging
+                                arena: each batch copied to the device, checked there
+                                (inside a reload those copies overlap the disk reads, so
+                                this is an upper bound on what they add); on CPU, in place
+    ``time_validate_resident``  the check alone, tensors already on the device (its kernels)
+    """
+
+    params = (PRESETS, KINDS)
+    param_names = ["preset", "kind"]
+
+    def setup(self, paths, preset, kind):
+        self.value_check = require("fp8_reload.checkpoint.values:ValueCheck")
+        arena_cls = require("fp8_reload.checkpoint:PinnedArena")
+        ckpt = fr.Checkpoint(paths[checkpoint_key(preset, kind)])
+        arena = arena_cls() if ON_CUDA else None
+        self.staged = list(ckpt.read(ckpt.names, {}, into=arena))
+        self.resident = [(n, t.to(DEVICE)) for n, t in self.staged]
+        self._validate(self.staged)  # warm-up
+
+    def _validate(self, staged):
+        check = self.value_check(DEVICE)
+        for name, tensor in staged:
+            check.add(name, tensor)
+        if check.first_invalid() is not None:  # waits for the device: the timing includes it
+            raise RuntimeError("the benchmark checkpoint holds invalid values")
+
+    def time_validate(self, paths, preset, kind):
+        self._validate(self.staged)
+
+    def time_validate_resident(self, paths, preset, kind):
+        self._validate(self.resident)
 
 
 READ_THREADS = 8

@@ -9,10 +9,12 @@ checkpoint) without parsing messages; the message names the file and tensor.
     ReloadError
     ├── CheckpointError               the checkpoint on disk is at fault
     │   ├── CheckpointNotFoundError   directory, config.json or a shard is missing
-    │   ├── UnreadableCheckpointError a file exists but cannot be read (I/O error)
-    │   ├── CorruptCheckpointError    truncated file, corrupt header, bad JSON
+    │   ├── UnreadableCheckpointError a file exists but cannot be read (permissions, I/O
+    │   │                             error, a symlink loop, not a regular file: FIFO, ...)
+    │   ├── CorruptCheckpointError    truncated file, corrupt header, bad JSON or config
+    │   │                             values, a file changed while it was read
     │   ├── MissingTensorError        a needed tensor is absent (index or shard)
-    │   ├── InvalidTensorError        NaN/Inf/zero/negative scale
+    │   ├── InvalidTensorError        NaN/Inf weights (FP8 NaN bytes), bad scales
     │   ├── UnsupportedCheckpointError  not safetensors, or a quantization we do not do
     │   └── UnsafeCheckpointError     pickle weights, paths leaving the directory
     ├── CheckpointMismatchError       does not fit the model: config, shape, dtype, name
@@ -35,7 +37,8 @@ class CheckpointNotFoundError(CheckpointError):
 
 
 class UnreadableCheckpointError(CheckpointError):
-    """A checkpoint file exists but reading it failed (permissions, I/O error)."""
+    """A checkpoint file exists but cannot be read: permissions, an I/O error, a
+    symlink loop, or it is not a regular file (FIFO, socket, device, directory)."""
 
 
 class CorruptCheckpointError(CheckpointError):
@@ -47,7 +50,8 @@ class MissingTensorError(CheckpointError):
 
 
 class InvalidTensorError(CheckpointError):
-    """A tensor has the right name, shape and dtype but unusable values (bad scales)."""
+    """A tensor has the right name, shape and dtype but unusable values: NaN or Inf
+    (FP8 bytes encoding NaN included), or a scale that is not finite and positive."""
 
 
 class UnsupportedCheckpointError(CheckpointError):

@@ -6,7 +6,8 @@ A reload is a transaction:
    model, resolve the filter, check every selected tensor's shape and dtype
    from the headers;
 2. stage ("read"): read every selected tensor to host memory and validate it
-   (shape, dtype, finite positive scales). Nothing in the model is written
+   (shape, dtype, values: finite weights, no FP8 NaN bytes, finite positive
+   scales; checked on the model's device). Nothing in the model is written
    before this has fully succeeded; any failure up to here raises a
    `ReloadError` subclass and the model was never touched;
 3. backup: host copies of what commit may change, bounded by the reload
