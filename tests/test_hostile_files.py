@@ -461,3 +461,57 @@ def test_a_shard_truncated_while_it_is_read_is_refused(ckpts, tmp_path, monkeypa
     with pytest.raises(fr.CorruptCheckpointError, match="truncated while reading"):
         fr.update_weights_from_disk(model, path)
     assert cut and unchanged(model, before) == []
+
+
+@pytest.mark.parametrize("reader_path", ["sequential", "parallel"])
+def test_a_shard_written_to_while_it_is_read_is_refused(ckpts, tmp_path, monkeypatch, reader_path):
+    """A writer changes bytes in place (same size, same inode) while the tensors are being
+    read: what was read may be a torn mix, so the shard's stamp is checked after its
+    last tensor and the read fails."""
+    import fp8_reload.checkpoint.reader as reader
+    from fp8_reload.checkpoint import PinnedArena
+
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
+    shard = bad.shard_of(path, bad.WEIGHT)
+    real = reader._read_tensor
+    wrote = []
+
+    def read_then_write(handle, fpath, info, out=None):
+        t = real(handle, fpath, info, out)
+        if fpath == shard and not wrote:
+            with open(shard, "r+b") as f:  # a writer updates another tensor's bytes in place
+                f.seek(-16, os.SEEK_END)
+                f.write(b"\x01" * 16)
+            wrote.append(info.name)
+        return t
+
+    monkeypatch.setattr(reader, "_read_tensor", read_then_write)
+    ckpt = Checkpoint(path)
+    into = PinnedArena(pin=False) if reader_path == "parallel" else None
+    with pytest.raises(fr.CorruptCheckpointError, match="changed while it was being read"):
+        list(ckpt.read(ckpt.names, {}, into=into))
+    assert wrote
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    wrote.clear()
+    with pytest.raises(fr.CorruptCheckpointError, match="changed while it was being read"):
+        fr.update_weights_from_disk(model, path)
+    assert wrote and unchanged(model, before) == []
+
+
+def test_a_header_with_too_many_entries_is_refused_before_parsing(ckpts, tmp_path):
+    """100 MB of empty tensor entries would cost ~16 s and 1.7 GB to parse: refused by
+    counting entries in the raw bytes first."""
+    from fp8_reload.checkpoint.header import MAX_HEADER_ENTRIES
+
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
+    shard = bad.shard_of(path, bad.WEIGHT)
+    entries = {f"t{i}": {"dtype": "U8", "shape": [0], "data_offsets": [0, 0]}
+               for i in range(MAX_HEADER_ENTRIES + 1)}
+    bad.join_safetensors(shard, entries, b"")
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    outcome, err = in_thread(fr.update_weights_from_disk, model, path)
+    assert outcome == "error" and type(err) is fr.CorruptCheckpointError, (outcome, err)
+    assert f"{MAX_HEADER_ENTRIES + 1} tensor entries" in str(err) and str(shard) in str(err)
+    assert unchanged(model, before) == []

@@ -37,6 +37,9 @@ SAFETENSORS_DTYPES = {"F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5
                       "BOOL": torch.bool}
 # safetensors' own limit on the JSON header.
 MAX_HEADER_BYTES = 100_000_000
+# Tensors per file. Real shards hold hundreds to a few thousand; a header of 100 MB of
+# empty entries holds 1.45 million, and parsing them costs ~16 s and 1.7 GB (measured).
+MAX_HEADER_ENTRIES = 1 << 18
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,10 @@ def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:
     raw = files.pread(f, hlen, 8, file)
     if len(raw) < hlen:  # the file shrank while we read it
         raise CorruptCheckpointError(f"{file}: truncated header")
+    entries = raw.count(b'"data_offsets"')  # a C scan, before any JSON is parsed
+    if entries > MAX_HEADER_ENTRIES:
+        raise CorruptCheckpointError(f"{file}: corrupt header: {entries} tensor entries, more than "
+                                     f"{MAX_HEADER_ENTRIES} (parsing them would take seconds and GBs)")
     return stamp, head + raw
 
 

@@ -247,7 +247,8 @@ class Checkpoint:
             for info in infos:
                 fpath = self.path / info.file
                 if info.file not in handles:
-                    for h in handles.values():
+                    for f, h in handles.items():
+                        self._check_untouched(f, h)
                         h.close()
                     handles.clear()
                     with trace.range("fp8_reload/shard_open"):
@@ -257,9 +258,19 @@ class Checkpoint:
                     tensor = _read_tensor(handles[info.file], fpath, info)
                 stats["bytes_read"] += info.nbytes
                 yield info.name, tensor
+            for f, h in handles.items():
+                self._check_untouched(f, h)
         finally:
             for h in handles.values():
                 h.close()
+
+    def _check_untouched(self, fname: str, handle) -> None:
+        """After its tensors were read: a shard written to meanwhile (in place, same
+        size) may have given a torn mix of old and new bytes; its stamp tells."""
+        fpath = self.path / fname
+        if files.stamp(files.fstat(handle, fpath)) != self._headers[fname].stamp:
+            raise CorruptCheckpointError(f"{fpath}: changed while it was being read (written to "
+                                         "during the load); its tensors are not used")
 
     def _read_parallel(self, infos, arena, handles, stats):
         """Read into the arena from `READ_THREADS` threads; yield each tensor, in
@@ -283,6 +294,8 @@ class Checkpoint:
                     tensor = work(k)
                     stats["bytes_read"] += info.nbytes
                     yield info.name, tensor
+                for f, h in handles.items():
+                    self._check_untouched(f, h)
                 return
             pool = ThreadPoolExecutor(min(READ_THREADS, len(infos)))
             try:
@@ -293,6 +306,8 @@ class Checkpoint:
                     yield info.name, tensor
             finally:  # an error, or the consumer stopped: no read outlives the handles
                 pool.shutdown(wait=True, cancel_futures=True)
+        for f, h in handles.items():
+            self._check_untouched(f, h)
 
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.weight_map)
