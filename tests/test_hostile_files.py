@@ -421,11 +421,11 @@ def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_pat
     real = Checkpoint._open_shard
     swaps = []
 
-    def swap_then_open(self, fname):
+    def swap_then_open(self, fname, stamps):
         if self.path / fname == shard and not swaps:
             os.replace(other, shard)  # a writer renames a complete new shard into place
             swaps.append(fname)
-        return real(self, fname)
+        return real(self, fname, stamps)
 
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
@@ -438,6 +438,34 @@ def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_pat
     fr.update_weights_from_disk(model, path, flt)
     expected = mix_checkpoints(ckpts["fp8", 0], ckpts["fp8", 1], tmp_path / "mixed",
                                lambda n: n.startswith("model.layers.2.mlp.experts.5."))
+    assert fr.compare_states(fr.snapshot(fr.load_model(expected)), fr.snapshot(model)) == []
+
+
+def test_a_new_version_of_a_shard_with_the_same_layout_is_read_whole(ckpts, tmp_path, monkeypatch):
+    """The usual writer: a complete new version of a shard renamed into place between
+    planning and reading, same header bytes (same tensors, new values). The parsed
+    offsets hold for it, so it is read, every byte from the new file."""
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
+    shard = bad.shard_of(path, bad.WEIGHT)
+    new = ckpts["fp8", 0] / shard.name
+    assert bad.split_safetensors(new)[0] == bad.split_safetensors(shard)[0]  # same header
+    real = Checkpoint._open_shard
+    swaps = []
+
+    def swap_then_open(self, fname, stamps):
+        if self.path / fname == shard and not swaps:
+            shutil.copy(new, tmp_path / "partial")
+            os.replace(tmp_path / "partial", shard)
+            swaps.append(fname)
+        return real(self, fname, stamps)
+
+    monkeypatch.setattr(Checkpoint, "_open_shard", swap_then_open)
+    model = fr.load_model(ckpts["fp8", 1])
+    fr.update_weights_from_disk(model, path)
+    assert swaps
+    wm = bad.weight_map(path)
+    expected = mix_checkpoints(ckpts["fp8", 1], ckpts["fp8", 0], tmp_path / "mixed",
+                               lambda n: wm[n] == shard.name)
     assert fr.compare_states(fr.snapshot(fr.load_model(expected)), fr.snapshot(model)) == []
 
 
@@ -515,3 +543,52 @@ def test_a_header_with_too_many_entries_is_refused_before_parsing(ckpts, tmp_pat
     assert outcome == "error" and type(err) is fr.CorruptCheckpointError, (outcome, err)
     assert f"{MAX_HEADER_ENTRIES + 1} tensor entries" in str(err) and str(shard) in str(err)
     assert unchanged(model, before) == []
+
+
+@pytest.mark.parametrize("writer", ["rename", "in-place"])
+def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer):
+    """A writer thread keeps replacing one shard by version A (seed 0) or B (seed 1), by
+    renaming a complete copy into place or by rewriting it in place, while reloads run.
+    Every reload ends in one of the two consistent states or is refused; none mixes."""
+    a, b = ckpts["fp8", 0], ckpts["fp8", 1]
+    path = copy_checkpoint(a, tmp_path / "ckpt")
+    shard = bad.shard_of(path, bad.WEIGHT).name
+    mixed = copy_checkpoint(a, tmp_path / "mixed")
+    shutil.copy(b / shard, mixed / shard)
+    states = [fr.snapshot(fr.load_model(a)), fr.snapshot(fr.load_model(mixed))]
+    model = fr.load_model(b)
+    stop = threading.Event()
+
+    def write():
+        i = 0
+        while not stop.is_set():
+            src = (a if i % 2 else b) / shard
+            if writer == "rename":
+                shutil.copy(src, tmp_path / "partial")
+                os.replace(tmp_path / "partial", path / shard)
+            else:
+                data = src.read_bytes()
+                with open(path / shard, "r+b") as f:
+                    f.truncate(0)
+                    f.write(data)
+            i += 1
+
+    t = threading.Thread(target=write, daemon=True)
+    t.start()
+    outcomes = {"consistent": 0, "refused": 0}
+    try:
+        for _ in range(40):
+            try:
+                fr.update_weights_from_disk(model, path)
+            except fr.CorruptCheckpointError:
+                outcomes["refused"] += 1
+                continue
+            now = fr.snapshot(model)
+            assert any(fr.compare_states(s, now) == [] for s in states), "a mixed model"
+            outcomes["consistent"] += 1
+    finally:
+        stop.set()
+        t.join(WAIT)
+    assert sum(outcomes.values()) == 40
+    if writer == "rename":  # a complete new version with the same layout is always usable
+        assert outcomes["refused"] == 0, outcomes

@@ -136,8 +136,8 @@ class ShardHeader:
 
     `stamp` (`files.stamp` of the open file, taken before its header was read)
     and `head` (the 8-byte length and the JSON) identify the parsed file; the
-    tensors' offsets hold for a file that still has both. `matches` tells
-    whether an open file is still that one.
+    tensors' offsets hold for any file with the same size and header bytes
+    (`holds_for`); `unchanged` also asks for the same stamp (the cache).
     """
 
     stamp: tuple[int, ...]
@@ -148,10 +148,18 @@ class ShardHeader:
     def size(self) -> int:
         return self.stamp[2]
 
-    def matches(self, f, path) -> bool:
+    def unchanged(self, f, path) -> bool:
         """Whether the open file `f` is still the parsed one: same stamp, same header bytes."""
-        return files.stamp(files.fstat(f, path)) == self.stamp and \
-            files.pread(f, len(self.head), 0, path) == self.head
+        return files.stamp(files.fstat(f, path)) == self.stamp and self.holds_for(f, path) is not None
+
+    def holds_for(self, f, path) -> tuple[int, ...] | None:
+        """The stamp of the open file `f` if the parsed offsets hold for it (same size,
+        same header bytes: a new version of the shard with the same layout, say), else
+        None."""
+        stamp = files.stamp(files.fstat(f, path))
+        if stamp[2] != self.size or files.pread(f, len(self.head), 0, path) != self.head:
+            return None
+        return stamp
 
 
 def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:

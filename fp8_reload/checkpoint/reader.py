@@ -117,7 +117,7 @@ class Checkpoint:
                     return False
             for fname, header in list(self._headers.items()):
                 with files.open_regular(self.path / fname) as f:
-                    if not header.matches(f, self.path / fname):
+                    if not header.unchanged(f, self.path / fname):
                         return False
         except CheckpointError:
             return False
@@ -192,19 +192,22 @@ class Checkpoint:
                                               f"which does not exist ({fpath})") from None
         return self._headers[fname].tensors
 
-    def _open_shard(self, fname: str):
-        """Open a shard for its tensor bytes, and make sure it is still the file whose
-        header was parsed (same size, same header bytes): a shard replaced or rewritten
-        since then is refused, never read at another file's offsets."""
+    def _open_shard(self, fname: str, stamps: dict):
+        """Open a shard for its tensor bytes if the parsed header still describes it
+        (same size, same header bytes; a new version with the same layout is fine, its
+        bytes are read whole from it). Otherwise it is refused, never read at another
+        file's offsets. `stamps[fname]` records the opened file's stamp."""
         fpath = self.path / fname
         f = files.open_regular(fpath)
         try:
-            if not self._headers[fname].matches(f, fpath):
+            stamp = self._headers[fname].holds_for(f, fpath)
+            if stamp is None:
                 raise CorruptCheckpointError(f"{fpath}: changed after its header was read (rewritten "
                                              "or replaced while loading); nothing was read from it")
         except BaseException:
             f.close()
             raise
+        stamps[fname] = stamp
         return f
 
     def info(self, name: str) -> TensorInfo:
@@ -240,39 +243,42 @@ class Checkpoint:
         stats.setdefault("bytes_read", 0)
         stats.setdefault("files_opened", 0)
         handles: dict[str, object] = {}
+        stamps: dict[str, tuple] = {}  # of each opened shard, when opened
         try:
             if into is not None:
-                yield from self._read_parallel(infos, into, handles, stats)
+                yield from self._read_parallel(infos, into, handles, stamps, stats)
                 return
             for info in infos:
                 fpath = self.path / info.file
                 if info.file not in handles:
                     for f, h in handles.items():
-                        self._check_untouched(f, h)
+                        self._check_untouched(f, h, stamps[f])
                         h.close()
                     handles.clear()
                     with trace.range("fp8_reload/shard_open"):
-                        handles[info.file] = self._open_shard(info.file)
+                        handles[info.file] = self._open_shard(info.file, stamps)
                     stats["files_opened"] += 1
                 with trace.range("fp8_reload/tensor_read", payload=info.nbytes):
                     tensor = _read_tensor(handles[info.file], fpath, info)
                 stats["bytes_read"] += info.nbytes
                 yield info.name, tensor
             for f, h in handles.items():
-                self._check_untouched(f, h)
+                self._check_untouched(f, h, stamps[f])
         finally:
             for h in handles.values():
                 h.close()
 
-    def _check_untouched(self, fname: str, handle) -> None:
+    def _check_untouched(self, fname: str, handle, stamp: tuple) -> None:
         """After its tensors were read: a shard written to meanwhile (in place, same
-        size) may have given a torn mix of old and new bytes; its stamp tells."""
+        size) may have given a torn mix of old and new bytes; its size and mtime tell.
+        Not its ctime: that also moves when the file is only unlinked, which is what
+        a writer replacing it by rename does to the copy being read (its bytes intact)."""
         fpath = self.path / fname
-        if files.stamp(files.fstat(handle, fpath)) != self._headers[fname].stamp:
+        if files.stamp(files.fstat(handle, fpath))[:4] != stamp[:4]:
             raise CorruptCheckpointError(f"{fpath}: changed while it was being read (written to "
                                          "during the load); its tensors are not used")
 
-    def _read_parallel(self, infos, arena, handles, stats):
+    def _read_parallel(self, infos, arena, handles, stamps, stats):
         """Read into the arena from `READ_THREADS` threads; yield each tensor, in
         order, as soon as it (and all before it) has been read, so that a consumer
         (the value check) works while later reads are still running."""
@@ -280,7 +286,7 @@ class Checkpoint:
         slots = [arena.take(i.nbytes) for i in infos]
         with trace.range("fp8_reload/shard_open"):
             for f in sorted({i.file for i in infos}):
-                handles[f] = self._open_shard(f)
+                handles[f] = self._open_shard(f, stamps)
                 stats["files_opened"] += 1
         total = sum(i.nbytes for i in infos)
 
@@ -295,7 +301,7 @@ class Checkpoint:
                     stats["bytes_read"] += info.nbytes
                     yield info.name, tensor
                 for f, h in handles.items():
-                    self._check_untouched(f, h)
+                    self._check_untouched(f, h, stamps[f])
                 return
             pool = ThreadPoolExecutor(min(READ_THREADS, len(infos)))
             try:
@@ -307,7 +313,7 @@ class Checkpoint:
             finally:  # an error, or the consumer stopped: no read outlives the handles
                 pool.shutdown(wait=True, cancel_futures=True)
         for f, h in handles.items():
-            self._check_untouched(f, h)
+            self._check_untouched(f, h, stamps[f])
 
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.weight_map)
