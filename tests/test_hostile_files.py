@@ -592,3 +592,31 @@ def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer):
     assert sum(outcomes.values()) == 40
     if writer == "rename":  # a complete new version with the same layout is always usable
         assert outcomes["refused"] == 0, outcomes
+
+
+def test_no_read_outlives_a_failed_staging(ckpts, monkeypatch):
+    """An error while the parallel reader still runs (here: in the value check, fed as
+    tensors arrive) must not leave reads writing into the staging arena after the reload
+    has returned: the next reload reuses that memory."""
+    import fp8_reload.checkpoint.values as values
+    import fp8_reload.reload.plan as plan
+
+    monkeypatch.setattr(plan, "on_cuda", lambda model: True)  # the GPU path's arena, on CPU
+    real = values.ValueCheck.add
+    calls = []
+
+    def fail_early(self, name, tensor):
+        calls.append(name)
+        if len(calls) == 3:
+            raise RuntimeError("device error while checking")
+        return real(self, name, tensor)
+
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    monkeypatch.setattr(values.ValueCheck, "add", fail_early)
+    with pytest.raises(fr.ReloadError, match="before anything was written: RuntimeError") as info:
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    readers = [t for t in threading.enumerate() if t.name.startswith("ThreadPoolExecutor")]
+    assert readers == [], f"reads still running after the reload returned: {readers}"
+    assert info.value.__cause__ is not None  # the traceback (and its frames) is still held
+    assert unchanged(model, before) == []

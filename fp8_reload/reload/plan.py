@@ -10,7 +10,7 @@ the model was never touched.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
+from contextlib import closing, contextmanager
 
 import torch
 
@@ -138,10 +138,11 @@ def stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_al
         into = staging.arena(model, "staging") if on_cuda(model) else None
         it = ckpt.read(names, stats, into=into)
         keep = None
-    for name, tensor in it:
-        if keep is None or name in keep:
-            staged.append((name, tensor))
-            check.add(name, tensor)
+    with closing(it):  # on any error: no read still running into the staging arena afterwards
+        for name, tensor in it:
+            if keep is None or name in keep:
+                staged.append((name, tensor))
+                check.add(name, tensor)
     _validate(staged, expected, ckpt)
     check.raise_if_invalid(lambda name: _where(ckpt, name))
     return staged
