@@ -203,6 +203,16 @@ def config_mismatch(good, work, kind, cfg):
     return p, [str(p), "moe_intermediate_size: model 32 vs checkpoint 48"]
 
 
+def routing_mismatch(good, work, kind, cfg):
+    """Same shapes, another routed_scaling_factor: the weights would load bit for bit and
+    the model would still compute other outputs than a fresh load of the checkpoint."""
+    p = _copy(good, work)
+    hf = json.loads((p / "config.json").read_text())
+    hf["routed_scaling_factor"] = 2.5
+    (p / "config.json").write_text(json.dumps(hf))
+    return p, [str(p), "routed_scaling_factor: model 1.0 vs checkpoint 2.5"]
+
+
 def kind_mismatch(good, work, kind, cfg):
     other = "bf16" if kind == "fp8" else "fp8"
     p = fr.write_checkpoint(work / "other", cfg, seed=0, kind=other)
@@ -538,6 +548,8 @@ CASES: list[BadCase] = [
     BadCase("corrupt-config", "config.json is not valid JSON", E.CorruptCheckpointError, corrupt_config),
     BadCase("config-mismatch", "checkpoint of a model with other sizes", E.CheckpointMismatchError,
             config_mismatch, bad_alone=False),
+    BadCase("routing-mismatch", "same shapes, another routed_scaling_factor",
+            E.CheckpointMismatchError, routing_mismatch, bad_alone=False),
     BadCase("kind-mismatch", "bf16 checkpoint for a model loaded from fp8 (or back)",
             E.CheckpointMismatchError, kind_mismatch, bad_alone=False),
     BadCase("block-quantized", "block-wise FP8 quantization_config", E.UnsupportedCheckpointError,

@@ -136,8 +136,7 @@ class ShardHeader:
 
     `stamp` (`files.stamp` of the open file, taken before its header was read)
     and `head` (the 8-byte length and the JSON) identify the parsed file; the
-    tensors' offsets hold for any file with the same size and header bytes
-    (`holds_for`); `unchanged` also asks for the same stamp (the cache).
+    offsets hold for the file while `unchanged` says it is still that file.
     """
 
     stamp: tuple[int, ...]
@@ -149,17 +148,11 @@ class ShardHeader:
         return self.stamp[2]
 
     def unchanged(self, f, path) -> bool:
-        """Whether the open file `f` is still the parsed one: same stamp, same header bytes."""
-        return files.stamp(files.fstat(f, path)) == self.stamp and self.holds_for(f, path) is not None
-
-    def holds_for(self, f, path) -> tuple[int, ...] | None:
-        """The stamp of the open file `f` if the parsed offsets hold for it (same size,
-        same header bytes: a new version of the shard with the same layout, say), else
-        None."""
-        stamp = files.stamp(files.fstat(f, path))
-        if stamp[2] != self.size or files.pread(f, len(self.head), 0, path) != self.head:
-            return None
-        return stamp
+        """Whether the open file `f` is still the parsed one: same stamp (so the same
+        inode: not a replacement, even one with the same layout) and same header bytes
+        (a rewrite in place within one timestamp tick keeps the stamp)."""
+        return files.stamp(files.fstat(f, path)) == self.stamp and \
+            files.pread(f, len(self.head), 0, path) == self.head
 
 
 def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:

@@ -193,21 +193,21 @@ class Checkpoint:
         return self._headers[fname].tensors
 
     def _open_shard(self, fname: str, stamps: dict):
-        """Open a shard for its tensor bytes if the parsed header still describes it
-        (same size, same header bytes; a new version with the same layout is fine, its
-        bytes are read whole from it). Otherwise it is refused, never read at another
-        file's offsets. `stamps[fname]` records the opened file's stamp."""
+        """Open a shard for its tensor bytes if it is still the file whose header was
+        parsed (same stamp and header bytes). A shard replaced or rewritten since then
+        is refused: never read at another file's offsets, and never a file newer than
+        the plan (one shard of a new version beside the others of the old one).
+        `stamps[fname]` records the opened file's stamp."""
         fpath = self.path / fname
         f = files.open_regular(fpath)
         try:
-            stamp = self._headers[fname].holds_for(f, fpath)
-            if stamp is None:
+            if not self._headers[fname].unchanged(f, fpath):
                 raise CorruptCheckpointError(f"{fpath}: changed after its header was read (rewritten "
                                              "or replaced while loading); nothing was read from it")
+            stamps[fname] = files.stamp(files.fstat(f, fpath))
         except BaseException:
             f.close()
             raise
-        stamps[fname] = stamp
         return f
 
     def info(self, name: str) -> TensorInfo:

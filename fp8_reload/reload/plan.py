@@ -51,9 +51,13 @@ def _key(path) -> str:
 
 
 def check_compatible(model, ckpt: Checkpoint) -> None:
+    # Shapes, and what the forward computes with (routing, norms): a checkpoint whose
+    # config.json says otherwise would load bit for bit and still serve other outputs
+    # than a fresh load of it.
     fields = ("hidden_size", "num_layers", "num_experts", "moe_intermediate_size",
               "intermediate_size", "num_shared_experts", "first_dense_layers", "num_heads",
-              "qk_head_dim", "v_head_dim")
+              "qk_head_dim", "v_head_dim", "top_k", "norm_topk_prob", "routed_scaling_factor",
+              "rms_norm_eps")
     diffs = [f"{f}: model {getattr(model.config, f)} vs checkpoint {getattr(ckpt.config, f)}"
              for f in fields if getattr(model.config, f) != getattr(ckpt.config, f)]
     if ckpt.kind != model.checkpoint_kind:
