@@ -198,3 +198,35 @@ def test_random_bytes_in_tensor_data_end_to_end(ckpts, fp8_model, pokes, which, 
                 assert fr.compare_states(fr.snapshot(fr.load_model(d)), fr.snapshot(model)) == []
     fr.update_weights_from_disk(model, ckpts["fp8", 0])  # back for the next example
     assert fr.compare_states(before, fr.snapshot(model)) == []
+
+
+@CUDA
+@pytest.mark.parametrize("case", ["fp8-nan-0x7f", "bf16-inf-weight", "nan-router"])
+def test_a_gpu_reload_checks_values_on_the_device_before_writing(ckpts, tmp_path, monkeypatch, case):
+    """On a GPU the staged (pinned host) tensors are checked on the device, and an invalid
+    value is refused before anything is written, as on CPU."""
+    import fp8_reload.checkpoint.values as values
+
+    from . import bad_checkpoints as bad
+
+    spec = next(c for c in bad.CASES if c.name == case)
+    kind = spec.kinds[0]
+    path, mentions = spec.build(ckpts[kind, 1], tmp_path, kind, fr.MoEConfig.preset("tiny"))
+    model = fr.load_model(ckpts[kind, 0], device="cuda")
+    before = fr.snapshot(model)
+    seen = set()
+    real = values.invalid_flags
+
+    def spy(named):
+        seen.update(t.device.type for _, t in named)
+        return real(named)
+
+    monkeypatch.setattr(values, "invalid_flags", spy)
+    with pytest.raises(fr.InvalidTensorError) as info:
+        fr.update_weights_from_disk(model, path)
+    assert seen == {"cuda"}, seen
+    assert all(m in str(info.value) for m in mentions), info.value
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    fr.update_weights_from_disk(model, ckpts[kind, 1])
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 1], device="cuda")),
+                             fr.snapshot(model)) == []

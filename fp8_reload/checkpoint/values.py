@@ -69,7 +69,10 @@ def _fp8_bad(ts: list[torch.Tensor]) -> torch.Tensor:
 
 def _float_bad(ts: list[torch.Tensor]) -> torch.Tensor:
     if ts[0].device.type == "cuda":  # max |x|, all tensors of the batch in one kernel
-        return ~torch.isfinite(torch.stack(torch._foreach_norm(ts, math.inf)))
+        try:
+            return ~torch.isfinite(torch.stack(torch._foreach_norm(ts, math.inf)))
+        except (AttributeError, NotImplementedError, RuntimeError):
+            pass  # a torch without it: one reduction per tensor below
     lo, hi = zip(*(torch.aminmax(t) for t in ts))  # CPU: a single pass per tensor
     return ~(torch.isfinite(torch.stack(lo)) & torch.isfinite(torch.stack(hi)))
 
