@@ -25,6 +25,7 @@ import os
 import shutil
 import stat
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -397,12 +398,42 @@ def test_a_rewrite_the_stamps_cannot_see_is_still_noticed(ckpts, two_indexes, mo
     stamp. Simulated by a stamp that never changes: the cache compares the parsed bytes
     too, so the new index is used."""
     path, _, b = two_indexes
-    monkeypatch.setattr(files_mod, "stamp", lambda st: (st.st_dev, st.st_ino, st.st_size))
+    tick = time.time_ns()  # every file's times frozen at one fresh tick
+    monkeypatch.setattr(files_mod, "stamp", lambda st: (st.st_dev, st.st_ino, st.st_size, tick, tick))
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [2]})
     fr.update_weights_from_disk(model, path, flt)
     first = model._checkpoint_cache[2]
     with open(path / INDEX_FILE, "r+") as f:  # same inode, same size
+        f.write(b)
+    fr.update_weights_from_disk(model, path)
+    assert model._checkpoint_cache[2] is not first
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model)) == []
+
+
+def test_a_checkpoint_at_rest_is_checked_by_stamps_alone(ckpts, two_indexes, monkeypatch):
+    """Files last changed well before they were read cannot be rewritten without their
+    stamp moving: reusing the parse then costs a stat per file, no read. A rewrite of
+    such a file is still seen (here: in place, same size, same inode). The settling time
+    is cut to 0 so the test need not wait; mtimes an hour back make the rewrite's new
+    mtime differ for sure."""
+    path, _, b = two_indexes
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 0)
+    old = time.time() - 3600
+    for f in path.iterdir():
+        os.utime(f, (old, old))
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, path)
+    first = model._checkpoint_cache[2]
+    reads = []
+    real_read, real_open = files_mod.read_small, files_mod.open_regular
+    monkeypatch.setattr(files_mod, "read_small", lambda *a: reads.append(a) or real_read(*a))
+    assert first.unchanged() and reads == []
+    monkeypatch.setattr(files_mod, "open_regular", lambda p: reads.append(p) or real_open(p))
+    assert first.unchanged() and reads == []
+    monkeypatch.setattr(files_mod, "read_small", real_read)
+    monkeypatch.setattr(files_mod, "open_regular", real_open)
+    with open(path / INDEX_FILE, "r+") as f:
         f.write(b)
     fr.update_weights_from_disk(model, path)
     assert model._checkpoint_cache[2] is not first

@@ -26,6 +26,7 @@ import errno
 import io
 import os
 import stat
+import time
 
 from ..errors import (
     CheckpointError,
@@ -152,6 +153,19 @@ def pread(f: io.FileIO, n: int, offset: int, path) -> bytes:
     except OSError as e:
         raise os_error(e, path) from None
     return b"".join(out)
+
+
+# A file modified longer ago than this when it was read cannot be rewritten later
+# without its mtime moving (timestamps come from a clock that ticks every few ms).
+SETTLED_NS = 2_000_000_000
+
+
+def settled(st: tuple[int, ...]) -> bool:
+    """Whether a file with stamp `st`, read now, was last changed (content or inode:
+    mtime and ctime) long enough ago that any later rewrite changes its stamp. For a
+    file read while still fresh, a rewrite within the same timestamp tick at the same
+    size and inode keeps the stamp: its bytes must be compared instead."""
+    return time.time_ns() - max(st[3], st[4]) > SETTLED_NS
 
 
 def read_small(path, limit: int | None = None) -> tuple[bytes, tuple[int, ...]]:

@@ -142,6 +142,7 @@ class ShardHeader:
     stamp: tuple[int, ...]
     head: bytes
     tensors: dict[str, TensorInfo]
+    settled: bool = False  # `files.settled` when read: the stamp alone tells a rewrite
 
     @property
     def size(self) -> int:
@@ -191,7 +192,8 @@ def load_shard_header(file: Path, name: str | None = None) -> ShardHeader:
     file = Path(file)
     with files.open_regular(file) as f:
         stamp, head = read_header_bytes(f, file)
-    return ShardHeader(stamp, head, parse_shard_header(file, name or file.name, stamp[2], head))
+    return ShardHeader(stamp, head, parse_shard_header(file, name or file.name, stamp[2], head),
+                       files.settled(stamp))
 
 
 def read_safetensors_header(file: Path, name: str | None = None) -> dict[str, TensorInfo]:

@@ -73,9 +73,10 @@ class Checkpoint:
     def __init__(self, path):
         self.path = Path(path)
         self._check_directory()
-        # What config.json and the index were parsed from: {name: (bytes, stamp)},
-        # None for no index. With each parsed shard header, what `unchanged()` checks.
-        self.sources: dict[str, tuple[bytes, tuple] | None] = {}
+        # What config.json and the index were parsed from: {name: (bytes, stamp,
+        # settled)}, None for no index. With each parsed shard header, what
+        # `unchanged()` checks.
+        self.sources: dict[str, tuple[bytes, tuple, bool] | None] = {}
         self._headers: dict[str, ShardHeader] = {}
         self.hf_config = parse_json(self._read_source("config.json"), self.path / "config.json")
         if not isinstance(self.hf_config, dict):
@@ -97,28 +98,39 @@ class Checkpoint:
 
     def _read_source(self, name: str) -> bytes:
         raw, stamp = files.read_small(self.path / name)
-        self.sources[name] = raw, stamp
+        self.sources[name] = raw, stamp, files.settled(stamp)
         return raw
 
     def unchanged(self) -> bool:
         """Whether config.json, the index and every shard header parsed so far are
         still what was parsed: then this parse can be reused.
 
-        Both the stamps (inode, size, times; taken on the open file before it was
-        read, so never a stamp of one file over the parse of another) and the
-        parsed bytes themselves must match: a file rewritten in place within one
-        timestamp tick at the same size keeps its stamp. Costs a read of the two
-        small JSON files and one header read per parsed shard.
+        The stamps (inode, size, times; taken on the open file before it was read,
+        so never a stamp of one file over the parse of another) must match. A file
+        that was still fresh when it was read (`files.settled`) is compared byte for
+        byte too: rewritten in place within one timestamp tick at the same size, it
+        keeps its stamp. A checkpoint at rest costs one stat per file.
         """
         try:
             for name, source in self.sources.items():
                 path = self.path / name
-                if (files.read_small(path) if files.exists(path) else None) != source:
+                if source is None:
+                    if files.exists(path):
+                        return False
+                    continue
+                raw, stamp, settled = source
+                if files.stamp(files.stat_path(path)) != stamp:
+                    return False
+                if not settled and files.read_small(path)[0] != raw:
                     return False
             for fname, header in list(self._headers.items()):
-                with files.open_regular(self.path / fname) as f:
-                    if not header.unchanged(f, self.path / fname):
-                        return False
+                path = self.path / fname
+                if files.stamp(files.stat_path(path)) != header.stamp:
+                    return False
+                if not header.settled:
+                    with files.open_regular(path) as f:
+                        if not header.unchanged(f, path):
+                            return False
         except CheckpointError:
             return False
         return True
