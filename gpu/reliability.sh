@@ -2,7 +2,8 @@
 # Reliability on a CUDA GPU. Runs from the repo root, ~2-3 minutes.
 #
 # 1. pytest, CUDA cases only: fault injection mid-commit / mid-processing with
-#    rollback on the GPU, forwards vs reloads on the GPU, and the soak
+#    rollback on the GPU, forwards vs reloads on the GPU, weight values checked on
+#    the device (NaN/Inf refused before anything is written), and the soak
 #    (1,000 alternating full/filtered reloads per checkpoint kind: no drift,
 #    host RSS, live tensors, torch.cuda.memory_allocated exactly unchanged).
 # 2. The cost of the transaction on the GPU (measured, not tuned): per-phase
@@ -26,9 +27,9 @@ print("torch", torch.__version__, "| cuda", torch.cuda.is_available(),
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 PY
 
-echo "== 1. pytest: CUDA cases of tests/test_reliability.py and tests/test_soak.py"
+echo "== 1. pytest: CUDA cases of tests/test_reliability.py, tests/test_soak.py, tests/test_values.py"
 python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_reliability.py tests/test_soak.py \
-    -k cuda 2>&1 | tee "$OUT/pytest-gpu.log"
+    tests/test_values.py -k "cuda or on_the_device" 2>&1 | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 echo "pytest exit code: $rc"
 echo "== soak figures"
