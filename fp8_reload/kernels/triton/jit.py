@@ -4,21 +4,8 @@ Scales are read as ``scale_ptr + expert``: the caller hands a contiguous ``[E]``
 (what `scales.collapse_w13_scale` makes of the fixed ``[E, 2]`` layout).
 """
 
+from .fp8 import to_fp8
 from .runtime import tl, triton
-
-
-@triton.jit
-def _to_fp8(x, EXACT: tl.constexpr):
-    """Saturate to +-448 and round to float8 e4m3 (round to nearest even)."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if EXACT:
-        # Add and subtract 1.5 * 2^(ulp + 23): float32 addition rounds x to a
-        # multiple of e4m3's spacing 2^ulp, ulp = max(exponent, -6) - 3.
-        biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        biased = tl.maximum(biased, 121)
-        magic = (((biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        x = (x + magic) - magic
-    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -26,7 +13,7 @@ def quant_tensor_kernel(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, EXACT: 
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _to_fp8(x / tl.load(scale_ptr), EXACT), mask=mask)
+    tl.store(q_ptr + offs, to_fp8(x / tl.load(scale_ptr), EXACT), mask=mask)
 
 
 @triton.jit
@@ -76,7 +63,7 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
     o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     o_mask = valid[:, None] & col_ok[None, :]
     if STATIC_A2:
-        tl.store(o_ptrs, _to_fp8(act / tl.load(a2_ptr), EXACT), mask=o_mask)
+        tl.store(o_ptrs, to_fp8(act / tl.load(a2_ptr), EXACT), mask=o_mask)
     else:
         tl.store(o_ptrs, act, mask=o_mask)
         amax = tl.max(tl.max(tl.where(o_mask, tl.abs(act), 0.0), axis=1), axis=0)
@@ -112,7 +99,7 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, a2_ptr, row_pair_ptr, block_exp
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         if not STATIC_A2:
-            a = _to_fp8(a / a2, EXACT)
+            a = to_fp8(a / a2, EXACT)
         b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
@@ -148,7 +135,7 @@ def group_quant_kernel(src_ptr, pos_ptr, q_ptr, s_ptr, num_pairs, K, stride_src,
         tok = (pair // TOP_K).to(tl.int64)[:, None, None]
         x = tl.load(src_ptr + tok * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=2) / 448.0, 1e-12)
-    tl.store(q_ptr + row * stride_q + cols, _to_fp8(x / scale[:, :, None], EXACT), mask=mask)
+    tl.store(q_ptr + row * stride_q + cols, to_fp8(x / scale[:, :, None], EXACT), mask=mask)
     grp = row1 // rows_per_group
     r = row1 - grp * rows_per_group
     s_ptrs = s_ptr + (grp * s_stride_group + r)[:, None] + g1[None, :] * s_stride_k
