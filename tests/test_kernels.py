@@ -384,3 +384,28 @@ def test_synthetic_layer_matches_the_checkpoint_layout(cfg128):
         x, w, ids = routed_tokens(cfg128, 16, DEVICE)
         ref = moe_forward_torch(layer, x, w, ids, quantize_activations=False)
         assert calc_diff(moe_forward_torch(layer, x, w, ids), ref) < MOE_LAYER_BOUND
+
+
+# --------------------------------------------------------------------------
+# Routing on the device (Triton) against the torch layout
+# --------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 70), top_k=st.integers(1, 4), experts=st.integers(4, 40),
+       block_m=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+def test_triton_align_groups_pairs_like_contiguous_rows(tokens, top_k, experts, block_m, seed):
+    from fp8_reload.kernels.triton.align import align_pairs
+
+    top_k = min(top_k, experts)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    want = contiguous_rows(ids, experts, block_m)
+    got = align_pairs(ids, experts, block_m)
+    assert got.num_rows == want.num_rows and got.top_k == top_k
+    assert torch.equal(got.block_expert(block_m).cpu(), want.block_expert(block_m).cpu())
+    pos, row_pair = got.pos.cpu().long(), got.row_pair.cpu().long()
+    flat = ids.reshape(-1).cpu()
+    assert torch.equal(row_pair[pos], torch.arange(flat.numel()))  # pair -> row -> the same pair
+    assert int((row_pair >= 0).sum()) == flat.numel()  # every other row is padding
+    row_expert = want.row_expert.cpu().long()
+    assert torch.equal(row_expert[pos], flat)  # each pair sits in a row of its expert's run

@@ -20,12 +20,15 @@ def quant_tensor_kernel(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, EXACT: 
 def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_expert_ptr,
                    out_ptr, a2_ptr, K: tl.constexpr, N, stride_xm, stride_we, stride_wn, stride_om,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STATIC_A2: tl.constexpr, EXACT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STATIC_A2: tl.constexpr, QUANT_A: tl.constexpr,
+                   EXACT: tl.constexpr):
     """act[row, n] = silu(x W_gate^T) * (x W_up^T) for one expert's rows.
 
-    w is ``[E, 2N, K]`` (gate rows, then up rows). With a static second-GEMM
-    scale the result is quantized here; otherwise it is stored in float32 and
-    its absolute max is folded into ``a2_ptr``.
+    w is ``[E, 2N, K]`` (gate rows, then up rows). With QUANT_A, x is the bf16
+    input, quantized here with the static scale as its tiles load (no separate
+    pass over x); otherwise x is already FP8. With a static second-GEMM scale the
+    result is quantized here; otherwise it is stored in float32 and its absolute
+    max is folded into ``a2_ptr``.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -45,9 +48,12 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.load(a_scale_ptr)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A:
+            a = to_fp8(a.to(tl.float32) / a_scale, EXACT)
         wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         # promote to the float32 accumulator every BLOCK_K products, as DeepGEMM does
@@ -57,7 +63,7 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    s = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + expert)
+    s = a_scale * tl.load(w_scale_ptr + expert)
     g = acc_g * s
     act = g / (1.0 + tl.exp(-g)) * (acc_u * s)
     o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
