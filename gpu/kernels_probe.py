@@ -15,6 +15,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -30,10 +31,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8_reload as fr  # noqa: E402
-from fp8_reload.kernels.triton import default_config, fused_moe  # noqa: E402
 from fp8_reload.kernels.scales import cached_kernel_scales  # noqa: E402
-from fp8_reload.testing import (capture_graph, cuda_time_ms, moe_bytes, moe_flop, roofline_ms,  # noqa: E402
-                                routed_tokens, synthetic_moe_layer)
+from fp8_reload.kernels.triton import default_config, fused_moe  # noqa: E402
+from fp8_reload.testing import (  # noqa: E402
+    capture_graph,
+    cuda_time_ms,
+    moe_bytes,
+    moe_flop,
+    roofline_ms,
+    routed_tokens,
+    synthetic_moe_layer,
+)
 
 
 def event_ms(fn, before=None, n=20) -> float:
@@ -75,7 +83,7 @@ def forward(rows: list) -> None:
     layer = synthetic_moe_layer(cfg, "cuda")
     for tokens in (128, 1024, 4096):
         x, w, ids = routed_tokens(cfg, tokens, "cuda")
-        fn = lambda: fr.kernels.run_moe(layer, x, w, ids, backend="triton")  # noqa: E731
+        fn = functools.partial(fr.kernels.run_moe, layer, x, w, ids, backend="triton")
         fn()
         eager = cuda_time_ms(fn, 50, warmup=5)
         torch.cuda.synchronize()
@@ -100,24 +108,26 @@ def sweep(rows: list) -> None:
     for tokens in (128, 4096):
         x, w, ids = routed_tokens(cfg, tokens, "cuda")
         base = default_config(ids.numel(), cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+
+        def run(c, x=x, w=w, ids=ids):
+            return fused_moe(x, layer.w13_weight, layer.w2_weight, w13_s, w2_s, a13, a2, w, ids, c)
+
         results = []
         grid = list(itertools.product((16, 32, 64) if tokens > 512 else (16, 32), (32, 64, 128),
                                       (128, 256), (64, 128), (128, 256), (4, 8), (3, 4)))
         for bm, un, uk, dn, dk, warps, stages in random.Random(0).sample(grid, 40 if tokens < 512 else 24):
-            c = {"BLOCK_M": bm, "up": {"BLOCK_N": un, "BLOCK_K": uk, "num_warps": warps, "num_stages": stages},
-                 "down": {"BLOCK_N": dn, "BLOCK_K": dk, "num_warps": warps, "num_stages": stages}}
+            tile = {"num_warps": warps, "num_stages": stages}
+            c = {"BLOCK_M": bm, "up": {"BLOCK_N": un, "BLOCK_K": uk, **tile},
+                 "down": {"BLOCK_N": dn, "BLOCK_K": dk, **tile}}
             try:
-                fn = lambda c=c: fused_moe(x, layer.w13_weight, layer.w2_weight, w13_s, w2_s, a13, a2,  # noqa: E731
-                                           w, ids, c)
+                fn = functools.partial(run, c)
                 fn()
                 graph, _ = capture_graph(fn)
                 results.append((cuda_time_ms(graph.replay, 20, warmup=3), c))
             except Exception as e:  # out of shared memory, ...
                 results.append((float("inf"), {**c, "error": type(e).__name__}))
         results.sort(key=lambda r: r[0])
-        base_fn = lambda: fused_moe(x, layer.w13_weight, layer.w2_weight, w13_s, w2_s, a13, a2, w, ids,  # noqa: E731
-                                    base)
-        graph, _ = capture_graph(base_fn)
+        graph, _ = capture_graph(functools.partial(run, base))
         rows.append({"what": "sweep", "tokens": tokens, "default": base,
                      "default_ms": round(cuda_time_ms(graph.replay, 20, warmup=3), 4),
                      "best": [(round(t, 4), c) for t, c in results[:5]]})
