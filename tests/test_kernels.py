@@ -409,3 +409,18 @@ def test_triton_align_groups_pairs_like_contiguous_rows(tokens, top_k, experts, 
     assert int((row_pair >= 0).sum()) == flat.numel()  # every other row is padding
     row_expert = want.row_expert.cpu().long()
     assert torch.equal(row_expert[pos], flat)  # each pair sits in a row of its expert's run
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_input_quantization_fused_or_separate_gives_the_same_bytes(ckpts128, kind):
+    """Decode sizes quantize x inside the up GEMM, large batches in a pass of their own:
+    with the same static (or dynamic) scale both must give the same output, bit for bit."""
+    model = load(ckpts128[kind, 0])
+    layer = moe_layer(model)
+    x, w, ids = routed(model, n=40)
+    w13_s, w2_s, a13, a2 = kernels.cached_kernel_scales(layer)
+    base = kt.default_config(ids.numel(), layer.num_local_experts, layer.hidden_size,
+                             layer.intermediate_size)
+    outs = [kt.fused_moe(x, layer.w13_weight, layer.w2_weight, w13_s, w2_s, a13, a2, w, ids,
+                         {**base, "fuse_input_quant": fuse}) for fuse in (True, False)]
+    assert torch.equal(outs[0], outs[1])

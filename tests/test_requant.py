@@ -35,7 +35,8 @@ def fp8_w13(e: int, inter: int, hidden: int, seed: int = 0):
     return q, s
 
 
-@pytest.mark.parametrize("experts", [[0, 1, 2, 3, 4, 5, 6], [5], [1, 3, 6]], ids=["all", "one", "some"])
+@pytest.mark.parametrize("experts", [[0, 1, 2, 3, 4, 5, 6], [5], [1, 3, 6], [2, 3, 4]],
+                         ids=["all", "one", "some", "a-run"])
 def test_requantize_matches_the_torch_path(experts):
     q, s = fp8_w13(7, 48, 80)
     idx = torch.tensor(experts)
@@ -47,8 +48,7 @@ def test_requantize_matches_the_torch_path(experts):
     ops.requantize_w13_to_expert_max_(want[0], want[1], idx, 48)
 
     got = [t.to(DEVICE) for t in (q, s, a13, raw13, a2, raw2)]
-    requant.requantize_w13_(got[0], got[1], requant.device_ints(experts, DEVICE),
-                            ((got[2], got[3]), (got[4], got[5])))
+    requant.requantize_w13_(got[0], got[1], experts, ((got[2], got[3]), (got[4], got[5])))
     for name, a, b in zip(("w13", "w13_scale", "a13", "a13 raw", "a2", "a2 raw"), want, got):
         assert_bitwise_equal(a, b.cpu(), name)
     untouched = [e for e in range(7) if e not in experts]
@@ -58,10 +58,9 @@ def test_requantize_matches_the_torch_path(experts):
 def test_requantize_twice_changes_nothing():
     q, s = fp8_w13(4, 32, 64, seed=1)
     q, s = q.to(DEVICE), s.to(DEVICE)
-    idx = requant.device_ints(range(4), DEVICE)
-    requant.requantize_w13_(q, s, idx)
+    requant.requantize_w13_(q, s, [0, 1, 2, 3])
     once = q.clone()
-    requant.requantize_w13_(q, s, idx)
+    requant.requantize_w13_(q, s, [0, 1, 2, 3])
     assert_bitwise_equal(q, once, "w13 processed again")
 
 
@@ -91,7 +90,7 @@ def test_quantize_pieces_matches_the_torch_path():
         pieces += [(src["w1"], got[0][s, :inter], 2 * k, got[1][s]),
                    (src["w3"], got[0][s, inter:], 2 * k, None),
                    (src["w2"], got[2][s], 2 * k + 1, got[3][s:s + 1])]
-    requant.quantize_pieces_(pieces, 2 * len(slots))
+    requant.quantize_pieces_(pieces)
     for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
         assert_bitwise_equal(a, b.cpu(), name)
 
@@ -100,7 +99,7 @@ def test_quantize_pieces_refuses_mismatched_pieces():
     a = torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE)
     dst = torch.zeros(3, 4, dtype=FP8_DTYPE, device=DEVICE)
     with pytest.raises(ValueError, match="one size"):
-        requant.quantize_pieces_([(a, dst, 0, None)], 1)
+        requant.quantize_pieces_([(a, dst, 0, None)])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the dispatch runs Triton there)")

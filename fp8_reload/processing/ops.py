@@ -43,8 +43,8 @@ def gather_to(device, rows: list[list[torch.Tensor]]) -> torch.Tensor:
 
 
 def chunks(idx: torch.Tensor, per_item_bytes: int) -> Iterable[torch.Tensor]:
-    """`idx` in pieces of at most `CHUNK_BYTES` worth of items."""
-    step = max(1, CHUNK_BYTES // max(per_item_bytes, 1))
+    """`idx` in pieces of at most `CHUNK_BYTES` worth of items (all at once for 0 bytes)."""
+    step = max(1, CHUNK_BYTES // per_item_bytes) if per_item_bytes > 0 else max(1, idx.numel())
     for i in range(0, idx.numel(), step):
         yield idx[i:i + step]
 
@@ -59,10 +59,10 @@ def on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_runs_here()
 
 
-def _requant(experts: torch.Tensor, device):
+def _requant():
     from ..kernels.triton import requant  # needs triton: imported on use
 
-    return requant, requant.device_ints(experts.tolist(), device)
+    return requant
 
 
 def requantize_w13_to_expert_max_(w13: torch.Tensor, w13_scale: torch.Tensor,
@@ -82,8 +82,7 @@ def requantize_w13_to_expert_max_(w13: torch.Tensor, w13_scale: torch.Tensor,
     if rows != 2 * shard_size:
         raise ValueError(f"w13 has {rows} rows, not gate + up of {shard_size} each")
     if on_triton(w13):
-        requant, idx = _requant(experts, w13.device)
-        requant.requantize_w13_(w13, w13_scale, idx)
+        _requant().requantize_w13_(w13, w13_scale, experts.tolist())
         return
     experts = experts.to(w13.device)
     for idx in chunks(experts, rows * hidden * 4):
@@ -109,9 +108,8 @@ def quantize_experts_(w: torch.Tensor, scale: torch.Tensor, experts: torch.Tenso
     ``scale[experts]`` in place: every column of a ``[E, 2]`` scale gets it.
     """
     if on_triton(w) and values.is_cuda and values.dtype == torch.bfloat16:
-        pieces = [(values[k].contiguous(), w[e], k, scale[e].view(-1))
-                  for k, e in enumerate(experts.tolist())]
-        _quantize_pieces(pieces, len(pieces))
+        _requant().quantize_pieces_([(values[k].contiguous(), w[e], k, scale[e].view(-1))
+                                     for k, e in enumerate(experts.tolist())])
         return
     s = amax_scale(values, dims=tuple(range(1, values.dim())))  # [k]
     q = quantize_static(values, s.view(-1, *([1] * (values.dim() - 1))))
@@ -145,18 +143,11 @@ def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: to
     if on_triton(w13) and experts.numel():
         if w13.shape[1] != 2 * shard_size:
             raise ValueError(f"w13 has {w13.shape[1]} rows, not gate + up of {shard_size} each")
-        requant, idx = _requant(experts, w13.device)
-        requant.requantize_w13_(w13, w13_scale, idx, input_scales)
+        _requant().requantize_w13_(w13, w13_scale, experts.tolist(), input_scales)
         return
     for param, raw in input_scales or ():
         merge_input_scales_(param, raw, experts)
     requantize_w13_to_expert_max_(w13, w13_scale, experts, shard_size)
-
-
-def _quantize_pieces(pieces, num_groups: int) -> None:
-    from ..kernels.triton import requant  # needs triton: imported on use
-
-    requant.quantize_pieces_(pieces, num_groups)
 
 
 def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -172,8 +163,12 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     if not slots:
         return
     inter = w13.shape[1] // 2
-    if on_triton(w13):
-        piece_bytes = 3 * staged[slots[0]]["w2"].numel() * 2  # bf16, per expert
+    pieces_of = [t for s in slots for t in staged[s].values()]
+    if on_triton(w13) and all(t.dtype == torch.bfloat16 for t in pieces_of):
+        # pieces on the device are read where they are (one chunk); others are copied over
+        # a chunk at a time
+        on_device = all(t.is_cuda for t in pieces_of)
+        piece_bytes = 0 if on_device else 3 * staged[slots[0]]["w2"].numel() * 2
         for chunk in chunks(torch.tensor(slots), piece_bytes):
             pieces = []
             for k, s in enumerate(chunk.tolist()):
@@ -182,7 +177,7 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
                 pieces += [(src["w1"], w13[s, :inter], 2 * k, w13_scale[s]),
                            (src["w3"], w13[s, inter:], 2 * k, None),
                            (src["w2"], w2[s], 2 * k + 1, w2_scale[s:s + 1])]
-            _quantize_pieces(pieces, 2 * chunk.numel())
+            _requant().quantize_pieces_(pieces)
         return
     per_expert = 2 * inter * w13.shape[2] * 4
     for idx in chunks(torch.tensor(slots, dtype=torch.long), per_expert):
