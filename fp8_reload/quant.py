@@ -57,6 +57,14 @@ def requantize(q: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor
     return q.to(torch.float32).mul_(ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 
+def has_bad_values(t: torch.Tensor) -> bool:
+    """Whether `t` holds a value no checkpoint may: an e4m3 NaN encoding (``x & 0x7f ==
+    0x7f``: e4m3 has no infinities), or a NaN / infinity of a wider float type."""
+    if t.dtype == FP8_DTYPE:
+        return bool(((t.view(torch.uint8) & 0x7F) == 0x7F).any())
+    return bool((~torch.isfinite(t)).any())
+
+
 def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:
     """`Tensor.index_copy_` that also works for FP8 (copied as raw bytes)."""
     if dst.dtype == FP8_DTYPE:

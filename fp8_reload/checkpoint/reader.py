@@ -36,7 +36,8 @@ from .layout import INDEX_FILE, SINGLE_FILE
 from .staging import READ_THREADS, aligned
 
 
-def _open(fpath: Path):
+def open_shard(fpath: Path):
+    """A shard opened for positional reads (a file object: use it in a ``with``)."""
     try:
         return open(fpath, "rb", buffering=0)
     except FileNotFoundError:
@@ -45,25 +46,32 @@ def _open(fpath: Path):
         raise UnreadableCheckpointError(f"{fpath}: cannot open: {e.strerror or e}") from None
 
 
-def _read_tensor(handle, fpath: Path, info: TensorInfo,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bytes of one tensor (validated offsets), into `out` (uint8, e.g. a pinned
-    staging slice) or fresh CPU memory. Positional reads: threads may share `handle`."""
-    buf = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
+def read_span(handle, fpath: Path, offset: int, nbytes: int, out: torch.Tensor | None = None,
+              what: str = "data") -> torch.Tensor:
+    """`nbytes` bytes at `offset` (validated by the caller against the header), into `out`
+    (uint8, e.g. a pinned staging slice) or fresh CPU memory. Positional reads: threads may
+    share `handle`."""
+    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
     view = memoryview(buf.numpy())
     fd = handle.fileno()
     got = 0
     try:
-        while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
-            n = os.preadv(fd, [view[got:]], info.offset + got)
+        while got < nbytes:  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [view[got:]], offset + got)
             if not n:
                 raise CorruptCheckpointError(
-                    f"{fpath}: truncated while reading tensor {info.name!r}: got {got} of "
-                    f"{info.nbytes} bytes (the file changed after its header was read?)")
+                    f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
+                    "(the file changed after its header was read?)")
             got += n
     except OSError as e:
-        raise UnreadableCheckpointError(f"{fpath}: cannot read tensor {info.name!r}: "
-                                        f"{e.strerror or e}") from None
+        raise UnreadableCheckpointError(f"{fpath}: cannot read {what}: {e.strerror or e}") from None
+    return buf
+
+
+def _read_tensor(handle, fpath: Path, info: TensorInfo,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of one tensor, viewed with its dtype and shape."""
+    buf = read_span(handle, fpath, info.offset, info.nbytes, out, what=f"tensor {info.name!r}")
     return buf.view(info.dtype).reshape(info.shape)
 
 
@@ -91,6 +99,9 @@ class Checkpoint:
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self._headers: dict[str, dict[str, TensorInfo]] = {}
         self.weight_map = self._weight_map()
+        # kept with this parsed checkpoint, i.e. while its files' stamps are unchanged:
+        self.checked: set[str] = set()  # tensors whose values a reload has checked
+        self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
 
     def _quantization(self, qc) -> tuple[str, str]:
         where = f"{self.path / 'config.json'}: quantization_config"
@@ -210,7 +221,7 @@ class Checkpoint:
                         h.close()
                     handles.clear()
                     with trace.range("fp8_reload/shard_open"):
-                        handles[info.file] = _open(fpath)
+                        handles[info.file] = open_shard(fpath)
                     stats["files_opened"] += 1
                 with trace.range("fp8_reload/tensor_read", payload=info.nbytes):
                     tensor = _read_tensor(handles[info.file], fpath, info)
@@ -225,7 +236,7 @@ class Checkpoint:
         slots = [arena.take(i.nbytes) for i in infos]
         with trace.range("fp8_reload/shard_open"):
             for f in sorted({i.file for i in infos}):
-                handles[f] = _open(self.path / f)
+                handles[f] = open_shard(self.path / f)
                 stats["files_opened"] += 1
         total = sum(i.nbytes for i in infos)
 

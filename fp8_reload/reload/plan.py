@@ -15,6 +15,7 @@ from contextlib import contextmanager
 import torch
 
 from ..checkpoint import INDEX_FILE, Checkpoint, staging
+from ..checkpoint.registered import file_stamp
 from ..device import on_cuda
 from ..errors import (
     CheckpointMismatchError,
@@ -26,17 +27,11 @@ from ..errors import (
 from .filters import NameFilter, expected_layout, units
 
 
-def _file_stamp(path) -> tuple | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
-
-
-def _checkpoint_stamp(ckpt: Checkpoint) -> tuple:
+def checkpoint_stamp(ckpt: Checkpoint) -> tuple:
+    """The stamps of every file of `ckpt`: equal stamps, same bytes (short of a writer
+    that restores mtime and ctime)."""
     files = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
-    return tuple(_file_stamp(ckpt.path / f) for f in files)
+    return tuple(file_stamp(ckpt.path / f) for f in files)
 
 
 def open_checkpoint(model, path) -> Checkpoint:
@@ -46,10 +41,10 @@ def open_checkpoint(model, path) -> Checkpoint:
     its JSON is most of a small reload's planning."""
     key = os.path.realpath(path)
     cached = model.__dict__.get("_checkpoint_cache")
-    if cached is not None and cached[0] == key and cached[1] == _checkpoint_stamp(cached[2]):
+    if cached is not None and cached[0] == key and cached[1] == checkpoint_stamp(cached[2]):
         return cached[2]
     ckpt = Checkpoint(path)
-    model.__dict__["_checkpoint_cache"] = (key, _checkpoint_stamp(ckpt), ckpt)
+    model.__dict__["_checkpoint_cache"] = (key, checkpoint_stamp(ckpt), ckpt)
     return ckpt
 
 

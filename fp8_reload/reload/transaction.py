@@ -25,6 +25,7 @@ transaction costs) and per-phase `seconds`.
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
@@ -32,15 +33,27 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import trace
-from ..checkpoint import Checkpoint
-from ..device import synchronize
-from ..errors import CommitError, ReloadError, RollbackError
+from ..checkpoint import Checkpoint, staging
+from ..device import model_device, on_cuda, synchronize
+from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
 from ..processing import get_mode, process_modules
-from .backup import BACKUP_PLACES, capture_backup, roll_back
+from ..processing.ops import on_triton
+from .backup import BACKUP_PLACES, backup_stream, capture_backup, roll_back
 from .filters import NameFilter, experts_by_layer
-from .plan import check_compatible, nothing_written, open_checkpoint, plan, stage
+from .plan import check_compatible, checkpoint_stamp, nothing_written, open_checkpoint, plan, stage
+from .stream import commit, prepare
+from .targets import plan_targets
+
+# "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
+# tensor read to host memory first, then the modules' loaders (the engine before; kept to
+# compare against, and what the upstream mode's scan-all reads use)
+ENGINE = os.environ.get("FP8_RELOAD_ENGINE", "stream")
+
+
+def on_triton_device(model) -> bool:
+    return on_cuda(model) and on_triton(next(model.parameters()))
 
 
 @dataclass
@@ -134,16 +147,29 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
                                 "(weight_name_filter=None) can repair the model")
         stats: dict = {}
+        streaming = ENGINE == "stream" and not scan_all
         with nothing_written(path):
             with timer.phase("plan"):
                 ckpt = open_checkpoint(model, path)
+                stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
                 names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+                if streaming:
+                    targets = plan_targets(model, [ckpt.info(n) for n in names],
+                                           quantize_on_device=on_triton_device(model))
             with timer.phase("read"):
-                staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
-            report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+                if streaming:  # scales and loader-bound tensors; the rest streams in commit
+                    into = staging.arena(model, "staging") if on_cuda(model) else None
+                    prepared = prepare(ckpt, targets, stats, into=into)
+                    report.staged_bytes = prepared.staged_bytes
+                else:
+                    staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
+                    report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
             with timer.phase("backup"):
-                saved = capture_backup(model, [n for n, _ in staged], process_all, backup)
+                order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
+                saved = capture_backup(model, names, process_all, backup, order=order,
+                                       stream=backup_stream(model_device(model))
+                                       if streaming and on_cuda(model) else None)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:
@@ -159,8 +185,15 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 with timer.phase("load"):
                     touched = None
                     with torch.no_grad():
-                        touched = model.load_weights(progress.loading(staged))
+                        if streaming:
+                            progress.doing = "streaming weights into place"
+                            touched = commit(model, prepared, stats, wait_for=saved.event_for)
+                        else:
+                            touched = model.load_weights(progress.loading(staged))
                     synchronize(model)
+                    if streaming and checkpoint_stamp(ckpt) != stamp:
+                        raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
+                                                     "read; the reload is rolled back")
                 with timer.phase("process"):
                     if process_all:
                         todo = list(model.quantized_modules())
@@ -176,6 +209,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     roll_back(model, saved, fault, ckpt, progress.doing)
                 if not isinstance(fault, Exception):
                     raise  # KeyboardInterrupt / SystemExit: model restored, propagate as is
+                if isinstance(fault, ReloadError):  # a bad value or a changed file: restored
+                    raise
                 err = CommitError(f"reload from {ckpt.path} failed while {progress.doing} and was "
                                   f"rolled back, the model is unchanged: {type(fault).__name__}: {fault}")
                 err.report = report
@@ -183,10 +218,10 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             finally:
                 clear_kernel_caches(model)
     model.weights_undefined = None
-    report.tensors_loaded = len(staged)
-    report.bytes_read = stats["bytes_read"]
-    report.files_opened = stats["files_opened"]
-    report.experts_reloaded = experts_by_layer(n for n, _ in staged)
+    report.tensors_loaded = len(names) if streaming else len(staged)
+    report.bytes_read = stats.get("bytes_read", 0)
+    report.files_opened = stats.get("files_opened", 0)
+    report.experts_reloaded = experts_by_layer(names if streaming else (n for n, _ in staged))
     report.seconds["total"] = time.perf_counter() - t0
     model.checkpoint_path = ckpt.path
     return report
