@@ -8,7 +8,8 @@
    the same unprocessed state on the device), CUDA events around `process()` only.
 2. The Triton MoE forward at 128 / 1024 / 4096 tokens: eager (CUDA events), host time per
    call, CUDA-graph replay, and the roofline (bytes and FLOPs over the H200's limits).
-3. With --sweep: tile configurations of the up and down GEMMs at 128 and 4096 tokens,
+3. Host time of one launch, Triton against torch (what bounds one-expert processing).
+4. With --sweep: tile configurations of the up and down GEMMs at 128 and 4096 tokens,
    timed by graph replay, best first.
 """
 
@@ -66,7 +67,7 @@ def processing(root: Path, rows: list) -> None:
     cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
     for kind in ("fp8", "bf16"):
         t0 = time.perf_counter()
-        path = fr.write_checkpoint(root / kind, cfg, kind=kind, progress=False)
+        path = fr.write_checkpoint(root / kind, cfg, kind=kind, progress=False, fill="fast")
         print(f"[probe] wrote v2-lite:2 {kind} in {time.perf_counter() - t0:.1f}s", flush=True)
         for impl, processing_mode, scope in (("upstream", "upstream", "all"), ("fixed", "fixed", "all"),
                                              ("fixed-1-expert", "fixed", "one")):
@@ -76,6 +77,30 @@ def processing(root: Path, rows: list) -> None:
             print(f"[probe] process {kind} {impl}: {ms:.4f} ms", flush=True)
         UnprocessedLayer._cache.clear()
         torch.cuda.empty_cache()
+
+
+def launch_overhead(rows: list) -> None:
+    """Host time of one launch: an empty Triton kernel (its Python launcher) against a
+    tiny torch op, 2000 launches each, the device never the bottleneck."""
+    from fp8_reload.kernels.triton.runtime import tl, triton
+
+    @triton.jit
+    def _nop(x_ptr, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+    x = torch.zeros(1024, device="cuda")
+    for name, fn in (("triton", lambda: _nop[(1,)](x, 1024, BLOCK=1024)), ("torch", lambda: x.add_(0))):
+        for _ in range(50):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(2000):
+            fn()
+        us = (time.perf_counter() - t0) / 2000 * 1e6
+        torch.cuda.synchronize()
+        rows.append({"what": "launch", "impl": name, "host_us_per_launch": round(us, 2)})
+        print(f"[probe] launch {name}: {us:.2f} us host per launch", flush=True)
 
 
 def forward(rows: list) -> None:
@@ -141,6 +166,7 @@ def main() -> int:
     ap.add_argument("--skip-processing", action="store_true")
     args = ap.parse_args()
     rows: list = []
+    launch_overhead(rows)
     with tempfile.TemporaryDirectory() as tmp:
         if not args.skip_processing:
             processing(Path(tmp), rows)
