@@ -8,9 +8,9 @@ OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"
-python3 -m pytest -q -p no:cacheprovider -x tests/test_stream.py tests/test_requant.py \
-  "tests/test_reload.py" "tests/test_reliability.py" -k "cuda or CUDA or stream or requant" 2>&1 \
-  | tail -15 | tee "$OUT/pytest_cuda.log"
-python3 gpu/kernels_probe.py --out "$OUT/kernels_probe.json" 2>&1 | tee "$OUT/kernels_probe.log"
+python3 -m pytest -q -p no:cacheprovider tests/test_stream.py tests/test_requant.py \
+  "tests/test_reload.py" "tests/test_reliability.py" -k "cuda or CUDA or stream or requant" \
+  > "$OUT/pytest_cuda.log" 2>&1; tail -25 "$OUT/pytest_cuda.log"
+[ -n "${PROBE:-}" ] && python3 gpu/kernels_probe.py --out "$OUT/kernels_probe.json" 2>&1 | tee "$OUT/kernels_probe.log"
 timeout ${IO_TIMEOUT:-420} python3 gpu/reload_io.py --layers 4 ${WHOLE:+--whole} --out "$OUT/reload_io" 2>&1 \
   | tee "$OUT/reload_io.log"

@@ -82,7 +82,10 @@ def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int =
             f, off, n, to = job
             got = 0
             while got < n:
-                got += os.preadv(fds[f], [view[to + got:to + n]], off + got)
+                step = os.preadv(fds[f], [view[to + got:to + n]], off + got)
+                if step <= 0:
+                    raise OSError(f"{f}: read stopped at byte {off + got} (buffer too small?)")
+                got += step
 
         with ThreadPoolExecutor(threads) as pool:
             list(pool.map(read, jobs))

@@ -70,15 +70,28 @@ def _finalize_fp8_scales_kernel(scale_ptr, experts_ptr, first, k, a13_ptr, a13_r
         m = tl.maximum(s0, s1)
         tl.store(scale_ptr + 2 * e, m, mask=ok)
         tl.store(scale_ptr + 2 * e + 1, m, mask=ok)
-        if MERGE_INPUT:
-            tl.store(a13_raw_ptr + e, tl.load(a13_ptr + e, mask=ok, other=0.0), mask=ok)
-            tl.store(a2_raw_ptr + e, tl.load(a2_ptr + e, mask=ok, other=0.0), mask=ok)
     if MERGE_INPUT:
-        tl.debug_barrier()  # the per-expert values above are written before the max reads them
+        # each slot's new per-expert value (listed: the raw value just loaded into the
+        # parameter; others: the one kept) is computed, stored and reduced from registers:
+        # no global-memory round trip between threads of the program
         slots = tl.arange(0, BLOCK_E)
         ok = slots < num_experts
-        m13 = tl.max(tl.load(a13_raw_ptr + slots, mask=ok, other=float("-inf")), axis=0)
-        m2 = tl.max(tl.load(a2_raw_ptr + slots, mask=ok, other=float("-inf")), axis=0)
+        if LISTED:
+            listed = slots < 0
+            for i0 in range(0, k, BLOCK_K):
+                i = i0 + tl.arange(0, BLOCK_K)
+                e = tl.load(experts_ptr + i, mask=i < k, other=-1)
+                listed = listed | (tl.sum((slots[:, None] == e[None, :]).to(tl.int32), axis=1) > 0)
+        else:
+            listed = (slots >= first) & (slots < first + k)
+        new13 = tl.where(listed, tl.load(a13_ptr + slots, mask=ok, other=0.0),
+                         tl.load(a13_raw_ptr + slots, mask=ok, other=0.0))
+        new2 = tl.where(listed, tl.load(a2_ptr + slots, mask=ok, other=0.0),
+                        tl.load(a2_raw_ptr + slots, mask=ok, other=0.0))
+        tl.store(a13_raw_ptr + slots, new13, mask=ok)
+        tl.store(a2_raw_ptr + slots, new2, mask=ok)
+        m13 = tl.max(tl.where(ok, new13, float("-inf")), axis=0)
+        m2 = tl.max(tl.where(ok, new2, float("-inf")), axis=0)
         tl.store(a13_ptr + slots, tl.zeros([BLOCK_E], tl.float32) + m13, mask=ok)
         tl.store(a2_ptr + slots, tl.zeros([BLOCK_E], tl.float32) + m2, mask=ok)
 
