@@ -57,6 +57,21 @@ def test_streamed_reload_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeyp
     if register == "always" and device == "cpu":
         pytest.skip("registration is a CUDA path; the CPU run covers the ring")
     monkeypatch.setattr(to_device, "REGISTER", register)
+    _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec)
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec):
+    """The opt-in path (FP8_RELOAD_STREAM_QUANT=1): bf16 experts quantized from a device slot."""
+    import fp8_reload.reload.targets as targets_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("quantizing inside the stream is a CUDA path (CPU experts take their loaders)")
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
+    _reload_twice_and_compare(ckpts, tmp_path, "cuda", "bf16", spec)
+
+
+def _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec):
     model = fr.load_model(ckpts[kind, 0], device=device)
     before = fr.snapshot(model)
     flt = None if spec is None else fr.generate_weight_name_filter(spec)
@@ -88,6 +103,9 @@ def test_streaming_and_staged_engines_agree(ckpts, tiny_ring, monkeypatch, devic
 
 
 def test_chunks_are_one_file_each_merge_adjacent_tensors_and_never_split_an_expert(ckpts, monkeypatch):
+    import fp8_reload.reload.targets as targets_mod
+
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
     ckpt = fr.Checkpoint(ckpts["bf16", 0])
     model = fr.load_model(ckpts["bf16", 0])
     targets = plan_targets(model, [ckpt.info(n) for n in ckpt.names], quantize_on_device=True)
@@ -205,3 +223,18 @@ def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, m
     monkeypatch.undo()
     fr.update_weights_from_disk(model, path)  # re-planned from the new stamps
     assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []
+
+
+def test_scales_landing_on_one_address_keep_the_last_in_file_order(device):
+    """Gate's and up's input scale of an expert share one slot: the later one wins (the
+    loaders' rule), also when all scales are written in one launch on the GPU."""
+    from fp8_reload.checkpoint.header import TensorInfo
+    from fp8_reload.reload.stream import _write_scalars
+    from fp8_reload.reload.targets import Target
+
+    dst = torch.zeros(4, device=device)
+    views = [dst[k % 4] for k in range(64)]
+    targets = [Target(TensorInfo(f"s{k}", "a", torch.float32, (), 4 * k, 4), "scalar", [v])
+               for k, v in enumerate(views)]
+    _write_scalars(targets, [float(k) for k in range(64)])
+    assert dst.tolist() == [60.0, 61.0, 62.0, 63.0]

@@ -102,6 +102,7 @@ class Checkpoint:
         # kept with this parsed checkpoint, i.e. while its files' stamps are unchanged:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
+        self.plans: dict = {}  # full-reload plans by model (reload/transaction.py)
 
     def _quantization(self, qc) -> tuple[str, str]:
         where = f"{self.path / 'config.json'}: quantization_config"

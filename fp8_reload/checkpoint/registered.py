@@ -23,6 +23,7 @@ import mmap
 import os
 import stat
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +43,10 @@ def file_stamp(path) -> tuple | None:
     return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
 @dataclass
 class RegisteredFile:
     path: Path
@@ -49,16 +54,28 @@ class RegisteredFile:
     view: torch.Tensor  # uint8 over the whole file, in registered (DMA-able) host memory
     _map: mmap.mmap
 
-    def tensor(self, offset: int, nbytes: int, dtype: torch.dtype, shape) -> torch.Tensor:
-        return self.view[offset:offset + nbytes].view(dtype).view(tuple(shape))
+    def __post_init__(self):
+        # a registration must end before its mapping does, or the next mapping at the same
+        # address cannot be registered: unregistered when this object goes, if not before
+        self._unregister = weakref.finalize(self, _unregister, self.view.data_ptr())
 
     def release(self) -> None:
         if self._map is None:
             return
-        torch.cuda.cudart().cudaHostUnregister(self.view.data_ptr())
+        self._unregister()
         self.view = None
         self._map.close()
         self._map = None
+
+
+def _clear_last_error() -> None:
+    """A refused registration leaves the CUDA runtime's last error set, and torch would
+    raise it at its next launch check; torch exposes no cudaGetLastError, so one tiny
+    launch reads (and clears) it here."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
 
 
 def register(path: Path) -> RegisteredFile | None:
@@ -88,6 +105,7 @@ def register(path: Path) -> RegisteredFile | None:
     if err != cudart.cudaError.success:
         del view
         mapped.close()
+        _clear_last_error()
         return None
     return RegisteredFile(Path(path), (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino), view,
                           mapped)

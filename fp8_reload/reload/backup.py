@@ -46,6 +46,11 @@ class Backup:
         self.nbytes = 0
         self.stream = None  # the side stream the copies ran on, if any
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
+        self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
+
+    def start(self) -> None:
+        """Run the copies `capture_backup(..., start=False)` planned."""
+        self.run(*self.planned)
 
     def _copy(self, module: nn.Module, tensor: torch.Tensor, index: torch.Tensor | None) -> None:
         self.pending.append((module, tensor, index))
@@ -138,10 +143,13 @@ def backup_stream(device: torch.device):
     return _STREAMS[device]
 
 
-def capture_backup(model, names: list[str], process_all: bool,
-                   where: str = "host", order: list[str] | None = None, stream=None) -> Backup:
+def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
+                   order: list[str] | None = None, stream=None, start: bool = True) -> Backup:
     """Back up what a reload of `names` may change. `order` (module names) is the order
-    the commit writes modules in, so that with `stream` the first backups finish first."""
+    the commit writes modules in, so that with `stream` the first backups finish first.
+    With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
+    streaming reload starts them once forwards have drained, so that waiting for the
+    forwards does not also wait for the backup)."""
     slots: dict[str, set[int]] = {}
     modules = dict(model.named_modules())
     for n in names:
@@ -160,7 +168,10 @@ def capture_backup(model, names: list[str], process_all: bool,
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))
     gpu_host = where == "host" and on_cuda(model)
-    backup.run(staging.arena(model, "backup") if gpu_host else None, stream if on_cuda(model) else None)
+    backup.planned = (staging.arena(model, "backup") if gpu_host else None,
+                      stream if on_cuda(model) else None)
+    if start:
+        backup.start()
     return backup
 
 

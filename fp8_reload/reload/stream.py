@@ -68,7 +68,13 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None) -> 
 
 
 def _write_scalars(targets: list[Target], values: list[float]) -> None:
-    pairs = [(view, v) for t, v in zip(targets, values) for view in t.views]
+    # several checkpoint scales may land on one address (gate's and up's input scale of an
+    # expert): the last in file order wins, as with the loaders, so one write per address
+    last = {}
+    for t, v in zip(targets, values):
+        for view in t.views:
+            last[view.data_ptr()] = (view, v)
+    pairs = list(last.values())
     if not pairs:
         return
     if on_triton(pairs[0][0]):

@@ -54,6 +54,9 @@ class DeviceSlot:
         self.buffer: torch.Tensor | None = None
 
     def get(self, nbytes: int, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
         if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
             self.buffer = None
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
@@ -100,9 +103,11 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
     return out
 
 
-def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list) -> None:
-    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots."""
+def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
+    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots;
+    with `checks`, their values' flags are appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_pieces_  # needs triton: imported on use
+    from ..kernels.triton.scatter import check_values_
 
     by_unit: dict = {}
     for t in chunk.targets:
@@ -111,7 +116,8 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list) -> None:
     pieces, group = [], 0
     for shards in by_unit.values():
         views = {s: chunk.source(src, t) for s, t in shards.items()}
-        checks += [(t, views[s]) for s, t in shards.items()]
+        if checks is not None:  # checked now: the slot is reused by the next chunk
+            checks.append((list(shards.values()), check_values_([views[s] for s in shards])))
         layer = next(iter(shards.values())).module
         inter = layer.intermediate_size
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
@@ -124,7 +130,8 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list) -> None:
     quantize_pieces_(pieces)
 
 
-def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks) -> None:
+def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
+          quant_checks) -> None:
     """Queue the copies of one chunk out of `buf` (pinned or registered host memory)."""
     quant = any(t.kind == "quant" for t in chunk.targets)
     if quant:
@@ -141,7 +148,7 @@ def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, c
     if quant:
         for t in chunk.targets:
             writable(t.module)
-        _quantize_chunk(chunk, dslot, checks)
+        _quantize_chunk(chunk, dslot, quant_checks)
 
 
 def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict) -> None:
@@ -153,6 +160,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     stream = copy_stream(device)
     stream.wait_stream(torch.cuda.current_stream(device))
     checks: list[tuple[Target, torch.Tensor]] = []
+    quant_checks: list | None = [] if check else None
     slot: DeviceSlot = holder(model, "device_slot", DeviceSlot)
     chunks = make_chunks(streamed)
     registered = registered_files(model, ckpt, chunks)
@@ -164,14 +172,14 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
                 # the chunk's spans, in the registered file: one window covers them all
                 start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
                 shifted = Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans])
-                _land(shifted, reg.view[start:end], slot, device, writable, checks)
+                _land(shifted, reg.view[start:end], slot, device, writable, checks, quant_checks)
                 stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
         rest = [c for c in chunks if c.file not in registered]
         if rest:
             ring = ring_for(model, max(c.nbytes for c in rest), pin=True)
 
             def land(chunk: Chunk, buf: torch.Tensor):
-                _land(chunk, buf, slot, device, writable, checks)
+                _land(chunk, buf, slot, device, writable, checks, quant_checks)
                 event = torch.cuda.Event()
                 event.record(stream)
                 return event
@@ -184,7 +192,10 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
 
             flags = check_values_([v for _, v in checks])
     torch.cuda.current_stream(device).wait_stream(stream)
-    if check and checks:
+    if check and (checks or quant_checks):
+        for targets, qflags in quant_checks or ():
+            checks += [(t, None) for t in targets]
+            flags = qflags if flags is None else torch.cat([flags, qflags])
         if flags is not None:
             bad = flags.nonzero().flatten().tolist()  # the one read-back of the reload
         else:  # no Triton here: one check per tensor

@@ -153,10 +153,18 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 ckpt = open_checkpoint(model, path)
                 stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
-                names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
-                if streaming:
-                    targets = plan_targets(model, [ckpt.info(n) for n in names],
-                                           quantize_on_device=on_triton_device(model))
+                # a full reload's plan depends only on the model and these files: kept with
+                # the parsed checkpoint (the files unchanged), as EPLB and RL reload it again
+                key = id(model) if streaming and weight_name_filter is None else None
+                if key is not None and key in ckpt.plans:
+                    names, targets = ckpt.plans[key]
+                else:
+                    names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+                    if streaming:
+                        targets = plan_targets(model, [ckpt.info(n) for n in names],
+                                               quantize_on_device=on_triton_device(model))
+                    if key is not None:
+                        ckpt.plans[key] = (names, targets)
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if on_cuda(model) else None
@@ -169,7 +177,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
                 saved = capture_backup(model, names, process_all, backup, order=order,
                                        stream=backup_stream(model_device(model))
-                                       if streaming and on_cuda(model) else None)
+                                       if streaming and on_cuda(model) else None,
+                                       start=not streaming)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:
@@ -182,6 +191,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
                     progress.doing = "waiting for running forwards"
                     synchronize(model)
+                if streaming:  # its copies run beside the commit's (see capture_backup)
+                    with timer.phase("backup"):
+                        progress.doing = "backing up"
+                        saved.start()
+                    report.backup_bytes = saved.nbytes
                 with timer.phase("load"):
                     touched = None
                     with torch.no_grad():
