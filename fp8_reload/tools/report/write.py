@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 from ..markdown import markdown_table
+from ..usage import UsageError
 from .load import load_results, machine_info
 from .plots import plot_forward, plot_reload
 from .tables import forward_table, headline, scales_table
@@ -108,13 +108,12 @@ def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
 
 
 def command(args) -> int:
-    """`fp8-reload report`."""
+    """`fp8-reload report`: no results to report is a usage error (exit 2)."""
     try:
         written = write_report(args.results, args.out, machine=args.machine, commit=args.commit,
                                stat=args.stat)
     except FileNotFoundError as e:
-        print(f"fp8-reload report: {e}", file=sys.stderr)
-        return 2
+        raise UsageError(str(e)) from None
     print((written["headline.md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in written.values()))
     return 0
