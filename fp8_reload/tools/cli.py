@@ -244,7 +244,9 @@ def _report(sub) -> None:
                  "number (results.csv), the forward and block-scale tables and the plots. Point "
                  "--results at your own asv results to compare your machine with the curated "
                  "ones in results/asv.", _run("report"))
-    r.add_argument("--results", default="results/asv", metavar="DIR", help="asv results directory")
+    r.add_argument("--results", action="append", default=None, metavar="DIR",
+                   help="asv results directory; repeat it to put machines of several side by side "
+                        "(default: results/asv, the curated results)")
     r.add_argument("--out", default="results/report", metavar="DIR",
                    help="where to write tables and plots")
     r.add_argument("--machine", default=None, help="only this asv machine (default: all)")
