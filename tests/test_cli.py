@@ -181,6 +181,8 @@ def test_other_commands_refuse_in_one_line(capsys, tmp_path):
     assert "experts per MoE layer" in _one_line_error(
         capsys, ["demo", "--preset", "tiny", "--device", "cpu", "--experts", "99"])
     assert "unknown MoE backend 'cuda'" in _one_line_error(capsys, ["bench-kernels", "--backend", "cuda"])
+    (tmp_path / "file").write_text("")
+    assert "cannot write" in _one_line_error(capsys, ["write-checkpoint", str(tmp_path / "file" / "x")])
 
 
 def test_ctrl_c_exits_130_in_one_line_and_removes_temp_files(tmp_path):
