@@ -11,6 +11,10 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# 1 / 448 rounded to float32. Scales are amax * INV_FP8_MAX, not amax / 448: that is what
+# torch computes on a GPU for a tensor divided by a Python number, and writing it out makes
+# the CPU, the GPU and the Triton kernels agree bit for bit.
+INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
 # Smallest scale we ever produce: keeps an all-zero tensor from dividing by zero.
 MIN_SCALE = 1e-12
 
@@ -25,11 +29,11 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tenso
 
 
 def amax_scale(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX."""
+    """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX (as amax * INV_FP8_MAX)."""
     if x.dtype == FP8_DTYPE:  # no FP8 reductions on CPU
         x = x.to(torch.float32)
     a = x.abs().amax() if dims is None else x.abs().amax(dim=dims)
-    return (a.to(torch.float32) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (a.to(torch.float32) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
 
 
 def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -272,8 +272,8 @@ COMMIT_POINTS = [
 PROCESS_POINTS = [
     ("moe-process", proc.FixedFp8MoEMethod, "process_weights_after_loading", 2),
     ("linear-process", proc.FixedFp8LinearMethod, "process_weights_after_loading", 3),
-    ("requantize-kernel", moe_processing, "requantize_w13_to_expert_max_", 1),
-    ("quantize-kernel", moe_processing, "quantize_experts_", 2),
+    ("requantize-kernel", moe_processing, "process_fp8_experts_", 1),
+    ("quantize-kernel", moe_processing, "quantize_staged_experts_", 2),
 ]
 
 

@@ -259,13 +259,13 @@ def test_errors_name_the_cause_and_leave_the_model_alone(ckpts, tmp_path, monkey
     # A fault in the middle of post-processing is rolled back.
     import fp8_reload.processing.moe as moe_processing
 
-    orig = moe_processing.requantize_w13_to_expert_max_
+    orig = moe_processing.process_fp8_experts_
 
-    def fail_midway(w13, scale, experts, shard):
-        orig(w13, scale, experts[:1], shard)  # writes one expert, then dies
+    def fail_midway(w13, scale, experts, shard, input_scales=None):
+        orig(w13, scale, experts[:1], shard, input_scales)  # writes one expert, then dies
         raise RuntimeError("injected device fault")
 
-    monkeypatch.setattr(moe_processing, "requantize_w13_to_expert_max_", fail_midway)
+    monkeypatch.setattr(moe_processing, "process_fp8_experts_", fail_midway)
     with pytest.raises(fr.ReloadError, match="injected device fault"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter({1: [0, 1, 2]}))
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
