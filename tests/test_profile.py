@@ -16,21 +16,12 @@ import pytest
 
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.tools import cli
-from fp8_reload.tools.profile import (
-    SCENARIOS,
-    Range,
-    Work,
-    Workload,
-    analyze,
-    innermost,
-    load_chrome_trace,
-    load_events,
-    load_nsys_sqlite,
-    nest,
-    nsys_commands,
-    short_kernel_name,
-    worker_command,
-)
+from fp8_reload.tools.profile.analyze import analyze, innermost, load_events
+from fp8_reload.tools.profile.command import worker_command
+from fp8_reload.tools.profile.events import Range, Work, load_chrome_trace, nest, short_kernel_name
+from fp8_reload.tools.profile.nsys import load_nsys_sqlite, nsys_commands
+from fp8_reload.tools.profile.options import SCENARIOS
+from fp8_reload.tools.profile.workload import Workload
 from tests.test_trace import REPO, build_nvtx_recorder, nvtx_env, parse_nvtx_log
 
 NEEDED = ("fp8_reload/load_weights", "fp8_reload/process_weights_after_loading", "fp8_reload/forward")
@@ -93,6 +84,19 @@ def test_summarize_an_existing_trace_gives_the_same_table(cpu_profile, tmp_path)
     pd.testing.assert_frame_equal(a, b)
 
 
+def test_profile_prints_a_headline_and_where_the_files_are_not_the_summary(cpu_profile, tmp_path,
+                                                                          capsys):
+    assert cli.main(["profile", "--out", str(tmp_path), "--summarize", str(cpu_profile / "trace.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| scenario | range |" not in out and "How to read" not in out
+    lines = out.splitlines()
+    head = lines.index("headline (the summary has every range and kernel):")
+    for scenario, line in zip(("reload-full", "reload-filtered", "forward"), lines[head + 1:]):
+        assert line.split()[0] == scenario and "ms per run" in line and "most self time:" in line
+    for name in ("trace.json", "summary.md", "summary.csv", "kernels.csv"):
+        assert name in out.split("files:")[1], name
+
+
 def test_a_failing_nsys_falls_back_to_torch_profiler(tmp_path, ckpts, monkeypatch, capsys):
     """On the H200 nsys records but cannot export: the command must still deliver a trace."""
     bindir = tmp_path / "bin"
@@ -104,12 +108,14 @@ def test_a_failing_nsys_falls_back_to_torch_profiler(tmp_path, ckpts, monkeypatc
     out = tmp_path / "out"
     assert cli.main(["profile", "--out", str(out), "--scenario", "reload-filtered", "--preset", "tiny",
                      "--device", "cpu", "--repeat", "1", "--checkpoint", str(ckpts[("fp8", 0)])]) == 0
-    printed = capsys.readouterr().out
-    assert "falling back to torch.profiler" in printed and "trace.json" in printed
+    printed = capsys.readouterr()
+    assert "falling back to torch.profiler" in printed.err and "trace.json" in printed.out
     assert (out / "trace.json").exists() and (out / "summary.md").exists()
-    with pytest.raises(SystemExit, match="nsys profile failed"):
-        cli.main(["profile", "--out", str(out), "--tool", "nsys", "--scenario", "reload-filtered",
-                  "--preset", "tiny", "--device", "cpu", "--checkpoint", str(ckpts[("fp8", 0)])])
+    # asked for nsys explicitly: no fallback, one line, exit 2
+    assert cli.main(["profile", "--out", str(out), "--tool", "nsys", "--scenario", "reload-filtered",
+                     "--preset", "tiny", "--device", "cpu", "--checkpoint", str(ckpts[("fp8", 0)])]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "fp8-reload profile: error: nsys profile failed (exit 1)"
 
 
 def test_nsys_command_lines():

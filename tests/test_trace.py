@@ -21,7 +21,7 @@ import torch
 
 import fp8_reload as fr
 from fp8_reload import trace
-from fp8_reload.tools.profile import load_chrome_trace, nest
+from fp8_reload.tools.profile.events import load_chrome_trace, nest
 from tests.conftest import tokens
 
 REPO = Path(__file__).resolve().parents[1]

@@ -34,7 +34,7 @@ import torch
 
 from .. import trace
 from ..checkpoint import Checkpoint, staging
-from ..device import model_device, on_cuda, synchronize
+from ..device import model_device, on_cuda, resolve_device, synchronize
 from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
@@ -243,7 +243,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
 
 @trace.range("fp8_reload/load_model")
 def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
-    """Build the model a checkpoint describes on `device` and load it (a fresh load)."""
+    """Build the model a checkpoint describes on `device` and load it (a fresh load).
+
+    A device this machine lacks raises `DeviceUnavailableError` before the
+    checkpoint is opened."""
+    device = resolve_device(device)
     mode = get_mode(processing)
     ckpt = Checkpoint(path)
     try:
