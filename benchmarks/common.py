@@ -363,6 +363,10 @@ class UnprocessedLayer:
     was loaded and processed, then expert 0 loaded again (a one-expert reload).
     `restore()` puts back the exact unprocessed state (Parameter objects and
     bytes), so every timed post-processing starts from the same place.
+
+    Both modes start with the loaded values on `DEVICE`: upstream holds bf16
+    checkpoints in bf16 Parameters there, and the fixed mode's staged bf16 pieces
+    are moved there too, so neither side pays a host-to-device copy in the timing.
     """
 
     _cache: dict = {}
@@ -389,6 +393,9 @@ class UnprocessedLayer:
                 self.model.load_weights(ckpt.read(layer_tensor_names(ckpt, layer_id, [0])))
             elif scope != "all":
                 raise ValueError(f"unknown scope {scope!r}")
+        staged = getattr(self.layer, "staged", {})
+        for slot, pieces in staged.items():  # like-for-like with upstream: on the device
+            staged[slot] = {k: v.to(DEVICE) for k, v in pieces.items()}
         sync()
         self._save()
         self.process()  # warm-up (first-call costs, kernel loading), then back

@@ -1,9 +1,12 @@
 """Post-processing of one MoE layer: sglang 0.5.23's per-expert loop vs the fixed,
-vectorized, in-place version.
+in-place version (Triton kernels on a GPU, vectorized torch on CPU).
 
 Each sample processes a layer that was just loaded and not yet processed; `setup`
 restores that exact state (Parameter objects and bytes) before every sample, so
 ``number = 1`` and no warm-up calls (which would time an already processed layer).
+Like for like: both sides start with the loaded values on the benchmark device
+(bf16 checkpoints: upstream's bf16 Parameters, the fixed mode's staged bf16 pieces),
+and the time ends when the device has finished (`synchronized`).
 """
 
 from __future__ import annotations

@@ -36,7 +36,8 @@ class MoEConfig:
 
     @classmethod
     def preset(cls, name: str, **overrides: Any) -> MoEConfig:
-        """Named shapes. `overrides` (e.g. ``num_layers=4``) take a slice of a shape."""
+        """Named shapes. `overrides` (e.g. ``num_layers=4``) take a slice of a shape; an
+        override of None keeps the preset's value (what an omitted command-line option gives)."""
         presets = {
             # CPU tests: loads in well under a second.
             "tiny": dict(hidden_size=64, num_layers=3, num_experts=8,
@@ -58,7 +59,8 @@ class MoEConfig:
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(presets)}")
-        fields = {"name": name, **presets[name], **overrides}
+        fields = {"name": name, **presets[name],
+                  **{k: v for k, v in overrides.items() if v is not None}}
         cfg = cls(**fields)
         cfg.validate()
         return cfg

@@ -9,10 +9,39 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .errors import DeviceUnavailableError
+
 
 def default_device() -> str:
     """``cuda`` where a GPU is usable, else ``cpu``."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def resolve_device(device: str | torch.device | None = None) -> str:
+    """`device` checked against this machine (None: `default_device()`), as a string.
+
+    Loads, the demo, the gate and the profiler call this before they read or
+    write anything, so asking for CUDA on a CPU box fails in one line
+    (`DeviceUnavailableError`) instead of in torch's lazy CUDA initialization.
+    """
+    if device is None:
+        return default_device()
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise DeviceUnavailableError(f"unknown device {str(device)!r}: expected cpu, cuda or "
+                                     "cuda:N") from e
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise DeviceUnavailableError(f"device {str(device)!r} asked for, but CUDA is not "
+                                         "available here (no GPU, or a CPU-only torch build)")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise DeviceUnavailableError(f"device {str(device)!r} asked for, but this machine has "
+                                         f"{torch.cuda.device_count()} CUDA device(s)")
+    elif dev.type not in ("cpu", "meta"):
+        raise DeviceUnavailableError(f"device {str(device)!r} is not supported: expected cpu, "
+                                     "cuda or cuda:N")
+    return str(device)
 
 
 def model_device(model: nn.Module) -> torch.device | None:

@@ -18,6 +18,7 @@ checkpoint) without parsing messages; the message names the file and tensor.
     │   ├── UnsupportedCheckpointError  not safetensors, or a quantization we do not do
     │   └── UnsafeCheckpointError     pickle weights, paths leaving the directory
     ├── CheckpointMismatchError       does not fit the model: config, shape, dtype, name
+    ├── DeviceUnavailableError        the device asked for cannot be used here (no CUDA)
     ├── FilterMatchedNothingError     the weight_name_filter selected nothing
     ├── CommitError                   writing or post-processing failed; rolled back
     └── RollbackError                 ... and the rollback failed too: state undefined
@@ -64,6 +65,13 @@ class UnsafeCheckpointError(UnsupportedCheckpointError):
 
 class CheckpointMismatchError(ReloadError):
     """The checkpoint does not fit the loaded model (shapes, dtypes, config, names)."""
+
+
+class DeviceUnavailableError(ReloadError):
+    """The device asked for does not exist here (no CUDA, no such GPU index, unknown name).
+
+    Raised before anything is read, so the caller learns the cause in one line
+    rather than from an assertion deep inside a layer's constructor."""
 
 
 class FilterMatchedNothingError(ReloadError):

@@ -130,33 +130,36 @@ class FusedMoE(nn.Module):
         for slot in self.local_slots(expert_id):
             self._load_into_slot(param, loaded_weight, weight_name, shard_id, slot)
 
+    def slot_destination(self, param: nn.Parameter, weight_name: str, shard_id: str,
+                         slot: int) -> torch.Tensor | None:
+        """Where a checkpoint tensor of local `slot` goes: a view of `param`, or None when
+        the weight is quantized on load (staged, see `stage_expert_weight`). The loader
+        copies into it; the streaming reload DMAs into it: one rule for both."""
+        if "input_scale" in weight_name:
+            return param.data[slot]
+        if "scale" in weight_name:
+            if getattr(param, "quant_method", None) != PER_TENSOR:
+                raise ValueError(f"unsupported scale layout for {weight_name}")
+            if shard_id == "w2":
+                return param.data[slot]
+            return param.data[slot][0 if shard_id == "w1" else 1]  # gate (w1) -> column 0, up -> 1
+        if getattr(param, "quantize_on_load", False):
+            return None
+        if shard_id == "w2":
+            return param.data[slot]
+        rows = self.intermediate_size
+        return param.data[slot].narrow(0, 0 if shard_id == "w1" else rows, rows)
+
     def _load_into_slot(self, param, loaded_weight, weight_name, shard_id, slot):
         # Copies are non_blocking: a pinned source (GPU reloads stage into pinned
         # memory) becomes one async DMA; the reload synchronizes before the staging
         # memory is reused. From pageable or CPU memory the copy is synchronous anyway.
         self.loaded_experts.add(slot)
-        if "input_scale" in weight_name:
-            param.data[slot].copy_(loaded_weight, non_blocking=True)
-            return
-        if "scale" in weight_name:
-            if getattr(param, "quant_method", None) != PER_TENSOR:
-                raise ValueError(f"unsupported scale layout for {weight_name}")
-            data = param.data
-            if shard_id == "w2":
-                data[slot].copy_(loaded_weight, non_blocking=True)
-            else:  # gate (w1) -> column 0, up (w3) -> column 1
-                data[slot][0 if shard_id == "w1" else 1].copy_(loaded_weight, non_blocking=True)
-            return
-        if getattr(param, "quantize_on_load", False):
+        dst = self.slot_destination(param, weight_name, shard_id, slot)
+        if dst is None:
             self.quant_method.stage_expert_weight(self, param, loaded_weight, shard_id, slot)
-            return
-        expert_data = param.data[slot]
-        if shard_id == "w2":
-            expert_data.copy_(loaded_weight, non_blocking=True)
         else:
-            rows = self.intermediate_size
-            start = 0 if shard_id == "w1" else rows
-            expert_data.narrow(0, start, rows).copy_(loaded_weight, non_blocking=True)
+            dst.copy_(loaded_weight, non_blocking=True)
 
     # ----- forward -----
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -11,6 +11,10 @@ import torch
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448.0
+# 1 / 448 rounded to float32. Scales are amax * INV_FP8_MAX, not amax / 448: that is what
+# torch computes on a GPU for a tensor divided by a Python number, and writing it out makes
+# the CPU, the GPU and the Triton kernels agree bit for bit.
+INV_FP8_MAX = float(torch.tensor(1.0, dtype=torch.float32) / torch.tensor(FP8_MAX, dtype=torch.float32))
 # Smallest scale we ever produce: keeps an all-zero tensor from dividing by zero.
 MIN_SCALE = 1e-12
 
@@ -25,11 +29,11 @@ def quantize_static(x: torch.Tensor, scale: torch.Tensor | float) -> torch.Tenso
 
 
 def amax_scale(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Tensor:
-    """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX."""
+    """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX (as amax * INV_FP8_MAX)."""
     if x.dtype == FP8_DTYPE:  # no FP8 reductions on CPU
         x = x.to(torch.float32)
     a = x.abs().amax() if dims is None else x.abs().amax(dim=dims)
-    return (a.to(torch.float32) / FP8_MAX).clamp_(min=MIN_SCALE)
+    return (a.to(torch.float32) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
 
 
 def quantize_dynamic(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,6 +55,26 @@ def requantize(q: torch.Tensor, old_scale: torch.Tensor, new_scale: torch.Tensor
     """
     ratio = old_scale.to(torch.float32) / new_scale.to(torch.float32)
     return q.to(torch.float32).mul_(ratio).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def has_bad_values(t: torch.Tensor) -> bool:
+    """Whether `t` holds a value no checkpoint may: an e4m3 NaN encoding (``x & 0x7f ==
+    0x7f``: e4m3 has no infinities), or a NaN / infinity of a wider float type.
+
+    Reductions only, no elementwise temporary (a single pass runs at memory speed on a
+    CPU, where a mask costs ~100x more): the int8 view's max is 0x7f exactly when a byte
+    0x7f is there, the uint8 view's max is 0xff exactly when 0xff is; NaN and +-inf
+    carry through a min or a max. `checkpoint.values` checks many tensors at once by
+    the same rules."""
+    if t.numel() == 0:
+        return False
+    if t.dtype == FP8_DTYPE:
+        raw = t.view(torch.uint8)
+        return bool(raw.view(torch.int8).max() == 0x7F) or bool(raw.max() == 0xFF)
+    if t.dtype in (torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz):
+        t = t.float()
+    lo, hi = torch.aminmax(t)
+    return not (bool(torch.isfinite(lo)) and bool(torch.isfinite(hi)))
 
 
 def index_copy_(dst: torch.Tensor, dim: int, index: torch.Tensor, src: torch.Tensor) -> None:

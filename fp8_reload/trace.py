@@ -96,11 +96,20 @@ RANGES: dict[str, RangeInfo] = {
                                  "against the index"),
     "fp8_reload/index_read": RangeInfo("io", "", "config.json + model.safetensors.index.json"),
     "fp8_reload/shard_header": RangeInfo("io", "", "parse one shard's safetensors header"),
-    "fp8_reload/read": RangeInfo("reload", "", "phase: read + validate every selected tensor to host memory"),
+    "fp8_reload/read": RangeInfo("reload", "", "phase: read + validate what must be known before "
+                                 "writing (streaming: scales and loader-bound tensors; staged: every "
+                                 "selected tensor) to host memory"),
     "fp8_reload/shard_open": RangeInfo("io", "", "open one shard file"),
     "fp8_reload/tensor_read": RangeInfo("io", "bytes", "read one tensor from a shard"),
+    "fp8_reload/scales_read": RangeInfo("io", "bytes", "read the reload's scales (before anything is "
+                                        "written)"),
     "fp8_reload/backup": RangeInfo("reload", "", "phase: back up the slices the reload will change"),
-    "fp8_reload/load_weights": RangeInfo("reload", "", "phase: model.load_weights over the staged tensors"),
+    "fp8_reload/load_weights": RangeInfo("reload", "", "phase: write the weights (streamed into place, "
+                                         "or model.load_weights over the staged tensors)"),
+    "fp8_reload/register": RangeInfo("io", "bytes", "map one shard and register its pages for DMA"),
+    "fp8_reload/dma": RangeInfo("load", "bytes", "queue copies straight from registered shards"),
+    "fp8_reload/ring": RangeInfo("load", "bytes", "stream shards through the pinned ring"),
+    "fp8_reload/chunk_read": RangeInfo("io", "bytes", "wait for one chunk's reads into the ring"),
     "fp8_reload/weight_loader": RangeInfo("load", "bytes", "one tensor through its parameter's weight_loader "
                                           "(the host-to-device copy happens here)"),
     "fp8_reload/process_weights_after_loading": RangeInfo("reload", "", "phase: post-load processing"),

@@ -521,7 +521,7 @@ def _bad_value(name: str, value, index: int = 7, raw: bool = False):
             t[name] = x
 
         edit_tensors(p, poke, name)
-        what = "encodes NaN" if raw else f"value {float(value)}"
+        what = "encodes NaN" if raw else "value NaN" if value != value else f"value {float(value)}"
         return p, [shard_of(p, name).name, repr(name), what, "weights must be finite"]
     return build
 

@@ -14,7 +14,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import fp8_reload as fr
+import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import INDEX_FILE, mix_checkpoints  # noqa: F401  (tests import it from here)
+from fp8_reload.layers import FusedMoE
+from fp8_reload.reload.chunks import Chunk
 
 # The test models are tiny: intra-op threads only add contention on a 2-core CI box.
 torch.set_num_threads(1)
@@ -32,6 +35,18 @@ def device(request) -> str:
 # chosen before anything imports triton (tests/test_kernels.py relies on it).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+ENGINES = ["stream", "staged"]
+# A point inside each engine's commit that runs once per tensor written.
+WRITE_POINT = {"staged": (FusedMoE, "_load_into_slot"), "stream": (Chunk, "source")}
+
+
+@pytest.fixture(params=ENGINES)
+def engine(request, monkeypatch):
+    """Run the test under each reload engine (`reload.transaction.ENGINE`)."""
+    monkeypatch.setattr(transaction_mod, "ENGINE", request.param)
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -67,30 +67,39 @@ def discover(mods):
 
 
 @pytest.fixture(scope="module")
-def ran(suite, tmp_path_factory):
-    """{(Class.method, params): value | 'skip: reason'} for the whole suite."""
-    common, mods = suite
+def cache(suite, tmp_path_factory):
+    """What `CheckpointSuite.setup_cache` returns: {checkpoint key: path}."""
+    common, _ = suite
     cwd = os.getcwd()
     os.chdir(tmp_path_factory.mktemp("asv-cache"))  # asv runs setup_cache in a temp dir
     try:
-        cache = common.CheckpointSuite().setup_cache()
-        results = {}
-        for _, cls, method in discover(mods):
-            params = cls.params if isinstance(cls.params[0], list) else [cls.params]
-            for combo in itertools.product(*params):
-                bench = cls()
-                key = (f"{cls.__name__}.{method}", combo)
-                try:
-                    bench.setup(cache, *combo)
-                except NotImplementedError as e:
-                    results[key] = f"skip: {e}"
-                    continue
-                results[key] = getattr(bench, method)(cache, *combo)
-                if hasattr(bench, "teardown"):
-                    bench.teardown(cache, *combo)
-        return results
+        return common.CheckpointSuite().setup_cache()
     finally:
         os.chdir(cwd)
+
+
+@pytest.fixture(scope="module")
+def ran(suite, cache):
+    """{(Class.method, params): value | 'skip: reason'} for the whole suite."""
+    _, mods = suite
+    results = {}
+    for _, cls, method in discover(mods):
+        needs_cache = hasattr(cls, "setup_cache")
+        params = (cls.params if isinstance(cls.params[0], list) else [cls.params]) \
+            if hasattr(cls, "params") else []
+        for combo in itertools.product(*params):
+            bench = cls()
+            args = ((cache,) if needs_cache else ()) + combo
+            key = (f"{cls.__name__}.{method}", combo)
+            try:
+                bench.setup(*args)
+            except NotImplementedError as e:
+                results[key] = f"skip: {e}"
+                continue
+            results[key] = getattr(bench, method)(*args)
+            if hasattr(bench, "teardown"):
+                bench.teardown(*args)
+    return results
 
 
 def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):
@@ -113,18 +122,33 @@ def test_torch_backend_is_never_skipped(ran):
     assert torch_runs and not any(isinstance(v, str) for v in torch_runs)
 
 
-def test_raw_bound_reads_exactly_the_bytes_of_the_fixed_reload(ran, suite):
-    common, _ = suite
+def test_raw_bound_reads_exactly_the_bytes_of_the_fixed_reload(ran, suite, cache):
+    common, mods = suite
+
+    def raw_bytes(kind, experts, reader):
+        b = mods["reload"].RawReadCopy()
+        b.setup(cache, "tiny", kind, experts, reader)
+        return b.nbytes
+
+    def scan_all_bytes(kind, experts):
+        b = mods["reload"].FilteredReload()
+        b.setup(cache, "tiny", kind, experts, "scan-all")
+        return b._run().bytes_read
+
     for kind in common.KINDS:
         for experts in common.FRACTIONS:
-            fixed = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "fixed"))]
+            fixed = ran[("ReloadBytes.track_bytes_read", ("tiny", kind, experts))]
             for reader in ("safetensors", "preadv"):
-                raw = ran[("RawReadCopy.track_bytes", ("tiny", kind, experts, reader))]
-                assert fixed == raw > 0
-            scan = ran[("FilteredReload.track_bytes_read", ("tiny", kind, experts, "scan-all"))]
-            assert scan == ran[("RawReadCopy.track_bytes", ("tiny", kind, "full", "preadv"))] >= fixed
-        assert ran[("FullReload.track_bytes_read", ("tiny", kind))] == \
-            ran[("RawReadCopy.track_bytes", ("tiny", kind, "full", "safetensors"))]
+                assert fixed == raw_bytes(kind, experts, reader) > 0
+            assert scan_all_bytes(kind, experts) == raw_bytes(kind, "full", "preadv") >= fixed
+        assert ran[("ReloadBytes.track_bytes_read", ("tiny", kind, "full"))] == \
+            raw_bytes(kind, "full", "safetensors")
+
+
+def test_the_memory_bound_is_recorded_with_the_results(ran):
+    from fp8_reload.processing import reload_memory_bound
+
+    assert ran[("DeviceMemoryBound.track_bound_bytes", ())] == reload_memory_bound() > 0
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

@@ -20,6 +20,7 @@
 from __future__ import annotations
 
 import ctypes
+import importlib
 import json
 import os
 import shutil
@@ -33,6 +34,7 @@ from safetensors.torch import load_file, save_file
 
 import fp8_reload as fr
 import fp8_reload.checkpoint.files as files_mod
+import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 from . import bad_checkpoints as bad
@@ -341,6 +343,28 @@ def test_a_subfolder_entry_that_is_missing_names_the_index_entry(ckpts, tmp_path
 # The parsed-checkpoint cache, and writers racing the reader
 # ==========================================================================
 
+def cached(model, path):
+    """The parsed checkpoint a model keeps for `path` (`reload.plan.open_checkpoint`)."""
+    return model._checkpoint_cache[os.path.realpath(path)][1]
+
+
+def swap_before_open(monkeypatch, path: Path, n: int, action) -> list:
+    """Run `action()` just before the `n`-th time `path` is opened for reading (1: its
+    header is parsed while planning; 2: its bytes are read, by either engine)."""
+    real = files_mod.open_regular
+    opens = []
+
+    def open_regular(p):
+        if Path(p) == path:
+            opens.append(p)
+            if len(opens) == n:
+                action()
+        return real(p)
+
+    monkeypatch.setattr(files_mod, "open_regular", open_regular)
+    return opens
+
+
 def _renamed_copy(src: Path, dst: Path, prefix: str) -> None:
     """A checkpoint at `dst` whose shards are called `<prefix>-0000k...` (same length as
     `model`), so indexes pointing at different shard sets have the same size."""
@@ -403,11 +427,11 @@ def test_a_rewrite_the_stamps_cannot_see_is_still_noticed(ckpts, two_indexes, mo
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [2]})
     fr.update_weights_from_disk(model, path, flt)
-    first = model._checkpoint_cache[2]
+    first = cached(model, path)
     with open(path / INDEX_FILE, "r+") as f:  # same inode, same size
         f.write(b)
     fr.update_weights_from_disk(model, path)
-    assert model._checkpoint_cache[2] is not first
+    assert cached(model, path) is not first
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model)) == []
 
 
@@ -424,7 +448,7 @@ def test_a_checkpoint_at_rest_is_checked_by_stamps_alone(ckpts, two_indexes, mon
         os.utime(f, (old, old))
     model = fr.load_model(ckpts["fp8", 0])
     fr.update_weights_from_disk(model, path)
-    first = model._checkpoint_cache[2]
+    first = cached(model, path)
     reads = []
     real_read, real_open = files_mod.read_small, files_mod.open_regular
     monkeypatch.setattr(files_mod, "read_small", lambda *a: reads.append(a) or real_read(*a))
@@ -436,11 +460,11 @@ def test_a_checkpoint_at_rest_is_checked_by_stamps_alone(ckpts, two_indexes, mon
     with open(path / INDEX_FILE, "r+") as f:
         f.write(b)
     fr.update_weights_from_disk(model, path)
-    assert model._checkpoint_cache[2] is not first
+    assert cached(model, path) is not first
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model)) == []
 
 
-def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_path, monkeypatch):
+def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_path, monkeypatch, engine):
     """Offsets come from the header parsed while planning; the bytes are read from the
     file the path names when it is opened. Another file there (here: the same tensors
     saved again with other metadata, so its header differs) is refused rather than read
@@ -449,23 +473,16 @@ def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_pat
     shard = bad.shard_of(path, bad.WEIGHT)
     other = tmp_path / "other.safetensors"
     save_file(load_file(str(shard)), str(other), metadata={"format": "pt", "rewritten": "yes"})
-    real = Checkpoint._open_shard
-    swaps = []
-
-    def swap_then_open(self, fname, stamps):
-        if self.path / fname == shard and not swaps:
-            os.replace(other, shard)  # a writer renames a complete new shard into place
-            swaps.append(fname)
-        return real(self, fname, stamps)
-
+    # a writer renames a complete new shard into place after planning
+    opens = swap_before_open(monkeypatch, shard, 2, lambda: os.replace(other, shard))
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     flt = fr.generate_weight_name_filter({2: [5]})
-    monkeypatch.setattr(Checkpoint, "_open_shard", swap_then_open)
     with pytest.raises(fr.CorruptCheckpointError, match="changed after its header was read"):
         fr.update_weights_from_disk(model, path, flt)
-    assert swaps and unchanged(model, before) == []
+    assert len(opens) >= 2 and unchanged(model, before) == []
     monkeypatch.undo()
+    monkeypatch.setattr(transaction_mod, "ENGINE", engine)
     fr.update_weights_from_disk(model, path, flt)
     expected = mix_checkpoints(ckpts["fp8", 0], ckpts["fp8", 1], tmp_path / "mixed",
                                lambda n: n.startswith("model.layers.2.mlp.experts.5."))
@@ -473,7 +490,7 @@ def test_a_shard_replaced_between_planning_and_reading_is_refused(ckpts, tmp_pat
 
 
 def test_a_new_version_of_a_shard_is_not_mixed_into_a_reload_in_flight(ckpts, tmp_path,
-                                                                        monkeypatch):
+                                                                        monkeypatch, engine):
     """A complete new version of one shard (same tensors and header bytes, new values)
     renamed into place between planning and reading: reading it would give one shard of
     the new version beside the others of the old one. Refused; the next reload plans
@@ -482,22 +499,17 @@ def test_a_new_version_of_a_shard_is_not_mixed_into_a_reload_in_flight(ckpts, tm
     shard = bad.shard_of(path, bad.WEIGHT)
     new = ckpts["fp8", 0] / shard.name
     assert bad.split_safetensors(new)[0] == bad.split_safetensors(shard)[0]  # same header
-    real = Checkpoint._open_shard
-    swaps = []
 
-    def swap_then_open(self, fname, stamps):
-        if self.path / fname == shard and not swaps:
-            shutil.copy(new, tmp_path / "partial")
-            os.replace(tmp_path / "partial", shard)
-            swaps.append(fname)
-        return real(self, fname, stamps)
+    def rename_new_version():
+        shutil.copy(new, tmp_path / "partial")
+        os.replace(tmp_path / "partial", shard)
 
-    monkeypatch.setattr(Checkpoint, "_open_shard", swap_then_open)
+    opens = swap_before_open(monkeypatch, shard, 2, rename_new_version)
     model = fr.load_model(ckpts["fp8", 1])
     before = fr.snapshot(model)
     with pytest.raises(fr.CorruptCheckpointError, match="changed after its header was read"):
         fr.update_weights_from_disk(model, path)
-    assert swaps and unchanged(model, before) == []
+    assert len(opens) >= 2 and unchanged(model, before) == []
     fr.update_weights_from_disk(model, path)
     wm = bad.weight_map(path)
     expected = mix_checkpoints(ckpts["fp8", 1], ckpts["fp8", 0], tmp_path / "mixed",
@@ -505,60 +517,76 @@ def test_a_new_version_of_a_shard_is_not_mixed_into_a_reload_in_flight(ckpts, tm
     assert fr.compare_states(fr.snapshot(fr.load_model(expected)), fr.snapshot(model)) == []
 
 
-def test_a_shard_truncated_while_it_is_read_is_refused(ckpts, tmp_path, monkeypatch):
-    import fp8_reload.checkpoint.reader as reader
+# Where each engine reads a shard's bytes: (module, function); the file path is args[1].
+READ_POINT = {"staged": ("fp8_reload.checkpoint.reader", "_read_tensor"),
+              "stream": ("fp8_reload.reload.chunks", "read_span")}
 
+
+def hook_reads(monkeypatch, engine: str, after):
+    """Call `after(fpath)` after each read of tensor bytes by `engine`'s reader."""
+    module = importlib.import_module(READ_POINT[engine][0])
+    real = getattr(module, READ_POINT[engine][1])
+
+    def read(*args, **kwargs):
+        out = real(*args, **kwargs)
+        after(args[1])
+        return out
+
+    monkeypatch.setattr(module, READ_POINT[engine][1], read)
+
+
+def test_a_shard_truncated_while_it_is_read_is_refused(ckpts, tmp_path, monkeypatch, engine):
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
     shard = bad.shard_of(path, bad.WEIGHT)
-    real = reader._read_tensor
     cut = []
 
-    def truncate_then_read(handle, fpath, info, out=None):
+    def truncate(fpath):
         if fpath == shard and not cut:
-            os.truncate(shard, info.offset + 3)  # a writer truncates it (e.g. open "wb")
-            cut.append(info.name)
-        return real(handle, fpath, info, out)
+            os.truncate(shard, 100)  # a writer truncates it (e.g. open "wb")
+            cut.append(fpath)
 
-    monkeypatch.setattr(reader, "_read_tensor", truncate_then_read)
+    hook_reads(monkeypatch, engine, truncate)
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    with pytest.raises(fr.CorruptCheckpointError, match="truncated while reading"):
+    # read on: short (truncated); opened again later (the streaming engine): a new stamp
+    with pytest.raises(fr.CorruptCheckpointError,
+                       match="truncated while reading|changed after its header was read"):
         fr.update_weights_from_disk(model, path)
     assert cut and unchanged(model, before) == []
 
 
 @pytest.mark.parametrize("reader_path", ["sequential", "parallel"])
-def test_a_shard_written_to_while_it_is_read_is_refused(ckpts, tmp_path, monkeypatch, reader_path):
+def test_a_shard_written_to_while_it_is_read_is_refused(ckpts, tmp_path, monkeypatch, reader_path,
+                                                        engine):
     """A writer changes bytes in place (same size, same inode) while the tensors are being
     read: what was read may be a torn mix, so the shard's stamp is checked after its
-    last tensor and the read fails."""
-    import fp8_reload.checkpoint.reader as reader
+    last tensor (the streaming engine: every file's, after the writes) and the read fails."""
     from fp8_reload.checkpoint import PinnedArena
 
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
     shard = bad.shard_of(path, bad.WEIGHT)
-    real = reader._read_tensor
     wrote = []
 
-    def read_then_write(handle, fpath, info, out=None):
-        t = real(handle, fpath, info, out)
+    def write(fpath):
         if fpath == shard and not wrote:
             with open(shard, "r+b") as f:  # a writer updates another tensor's bytes in place
                 f.seek(-16, os.SEEK_END)
                 f.write(b"\x01" * 16)
-            wrote.append(info.name)
-        return t
+            wrote.append(fpath)
 
-    monkeypatch.setattr(reader, "_read_tensor", read_then_write)
+    hook_reads(monkeypatch, "staged", write)
     ckpt = Checkpoint(path)
     into = PinnedArena(pin=False) if reader_path == "parallel" else None
     with pytest.raises(fr.CorruptCheckpointError, match="changed while it was being read"):
         list(ckpt.read(ckpt.names, {}, into=into))
     assert wrote
+    monkeypatch.undo()
+    monkeypatch.setattr(transaction_mod, "ENGINE", engine)
+    hook_reads(monkeypatch, engine, write)
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     wrote.clear()
-    with pytest.raises(fr.CorruptCheckpointError, match="changed while it was being read"):
+    with pytest.raises(fr.CorruptCheckpointError, match="changed (while|after its header)"):
         fr.update_weights_from_disk(model, path)
     assert wrote and unchanged(model, before) == []
 
@@ -582,7 +610,7 @@ def test_a_header_with_too_many_entries_is_refused_before_parsing(ckpts, tmp_pat
 
 
 @pytest.mark.parametrize("writer", ["rename", "in-place"])
-def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer):
+def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer, engine):
     """A writer thread keeps replacing one shard by version A (seed 0) or B (seed 1), by
     renaming a complete copy into place or by rewriting it in place, while reloads run.
     Every reload ends in one of the two consistent states or is refused; none mixes."""
@@ -616,7 +644,7 @@ def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer):
         for _ in range(40):
             try:
                 fr.update_weights_from_disk(model, path)
-            except fr.CorruptCheckpointError:
+            except fr.CheckpointError:  # changed or torn: refused, rolled back
                 outcomes["refused"] += 1
                 continue
             now = fr.snapshot(model)
@@ -633,10 +661,12 @@ def test_reloads_racing_a_writer_are_never_mixed(ckpts, tmp_path, writer):
 def test_no_read_outlives_a_failed_staging(ckpts, monkeypatch):
     """An error while the parallel reader still runs (here: in the value check, fed as
     tensors arrive) must not leave reads writing into the staging arena after the reload
-    has returned: the next reload reuses that memory."""
+    has returned: the next reload reuses that memory. (The staged engine's reader; the
+    streaming engine's ring waits for its reads in flight itself.)"""
     import fp8_reload.checkpoint.values as values
     import fp8_reload.reload.plan as plan
 
+    monkeypatch.setattr(transaction_mod, "ENGINE", "staged")
     monkeypatch.setattr(plan, "on_cuda", lambda model: True)  # the GPU path's arena, on CPU
     real = values.ValueCheck.add
     calls = []

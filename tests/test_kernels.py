@@ -384,3 +384,43 @@ def test_synthetic_layer_matches_the_checkpoint_layout(cfg128):
         x, w, ids = routed_tokens(cfg128, 16, DEVICE)
         ref = moe_forward_torch(layer, x, w, ids, quantize_activations=False)
         assert calc_diff(moe_forward_torch(layer, x, w, ids), ref) < MOE_LAYER_BOUND
+
+
+# --------------------------------------------------------------------------
+# Routing on the device (Triton) against the torch layout
+# --------------------------------------------------------------------------
+
+@settings(max_examples=25, deadline=None)
+@given(tokens=st.integers(1, 70), top_k=st.integers(1, 4), experts=st.integers(4, 40),
+       block_m=st.sampled_from([16, 32, 64]), seed=st.integers(0, 2**16))
+def test_triton_align_groups_pairs_like_contiguous_rows(tokens, top_k, experts, block_m, seed):
+    from fp8_reload.kernels.triton.align import align_pairs
+
+    top_k = min(top_k, experts)
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(experts, generator=g)[:top_k] for _ in range(tokens)]).to(DEVICE)
+    want = contiguous_rows(ids, experts, block_m)
+    got = align_pairs(ids, experts, block_m)
+    assert got.num_rows == want.num_rows and got.top_k == top_k
+    assert torch.equal(got.block_expert(block_m).cpu(), want.block_expert(block_m).cpu())
+    pos, row_pair = got.pos.cpu().long(), got.row_pair.cpu().long()
+    flat = ids.reshape(-1).cpu()
+    assert torch.equal(row_pair[pos], torch.arange(flat.numel()))  # pair -> row -> the same pair
+    assert int((row_pair >= 0).sum()) == flat.numel()  # every other row is padding
+    row_expert = want.row_expert.cpu().long()
+    assert torch.equal(row_expert[pos], flat)  # each pair sits in a row of its expert's run
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_input_quantization_fused_or_separate_gives_the_same_bytes(ckpts128, kind):
+    """Decode sizes quantize x inside the up GEMM, large batches in a pass of their own:
+    with the same static (or dynamic) scale both must give the same output, bit for bit."""
+    model = load(ckpts128[kind, 0])
+    layer = moe_layer(model)
+    x, w, ids = routed(model, n=40)
+    w13_s, w2_s, a13, a2 = kernels.cached_kernel_scales(layer)
+    base = kt.default_config(ids.numel(), layer.num_local_experts, layer.hidden_size,
+                             layer.intermediate_size)
+    outs = [kt.fused_moe(x, layer.w13_weight, layer.w2_weight, w13_s, w2_s, a13, a2, w, ids,
+                         {**base, "fuse_input_quant": fuse}) for fuse in (True, False)]
+    assert torch.equal(outs[0], outs[1])

@@ -16,21 +16,12 @@ import pytest
 
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.tools import cli
-from fp8_reload.tools.profile import (
-    SCENARIOS,
-    Range,
-    Work,
-    Workload,
-    analyze,
-    innermost,
-    load_chrome_trace,
-    load_events,
-    load_nsys_sqlite,
-    nest,
-    nsys_commands,
-    short_kernel_name,
-    worker_command,
-)
+from fp8_reload.tools.profile.analyze import analyze, innermost, load_events
+from fp8_reload.tools.profile.command import worker_command
+from fp8_reload.tools.profile.events import Range, Work, load_chrome_trace, nest, short_kernel_name
+from fp8_reload.tools.profile.nsys import load_nsys_sqlite, nsys_commands
+from fp8_reload.tools.profile.options import SCENARIOS
+from fp8_reload.tools.profile.workload import Workload
 from tests.test_trace import REPO, build_nvtx_recorder, nvtx_env, parse_nvtx_log
 
 NEEDED = ("fp8_reload/load_weights", "fp8_reload/process_weights_after_loading", "fp8_reload/forward")
@@ -51,7 +42,7 @@ def test_cpu_profile_writes_a_trace_with_the_ranges(cpu_profile):
     names = {e["name"] for e in data["traceEvents"] if e.get("cat") == "user_annotation"}
     for name in NEEDED + ("fp8_reload/profile", "fp8_reload/scenario/reload-full",
                           "fp8_reload/scenario/reload-filtered", "fp8_reload/scenario/forward",
-                          "fp8_reload/tensor_read", "fp8_reload/gemm_w13"):
+                          "fp8_reload/chunk_read", "fp8_reload/gemm_w13"):
         assert name in names, name
 
 
@@ -68,9 +59,10 @@ def test_cpu_profile_summary_tables(cpu_profile, ckpts):
     assert fwd["count"] == 1 and fwd["payload_total"] == 16 and fwd["payload_unit"] == "tokens"
     # payloads made it into the Chrome trace: a full reload reads every byte of the checkpoint
     total = Checkpoint(ckpts[("fp8", 0)]).total_bytes()
-    assert row("reload-full", "fp8_reload/tensor_read")["payload_total"] == total
-    assert row("reload-full", "fp8_reload/weight_loader")["payload_total"] == total
-    assert row("reload-filtered", "fp8_reload/tensor_read")["payload_total"] < total
+    read = lambda s: sum(row(s, f"fp8_reload/{r}")["payload_total"]  # noqa: E731
+                         for r in ("scales_read", "chunk_read"))
+    assert read("reload-full") == total
+    assert 0 < read("reload-filtered") < total
     # self times of a scenario add up to its wall time; CPU ops were attributed
     for scenario in ("reload-full", "forward"):
         part = summary[summary.scenario == scenario]
@@ -92,6 +84,19 @@ def test_summarize_an_existing_trace_gives_the_same_table(cpu_profile, tmp_path)
     pd.testing.assert_frame_equal(a, b)
 
 
+def test_profile_prints_a_headline_and_where_the_files_are_not_the_summary(cpu_profile, tmp_path,
+                                                                          capsys):
+    assert cli.main(["profile", "--out", str(tmp_path), "--summarize", str(cpu_profile / "trace.json")]) == 0
+    out = capsys.readouterr().out
+    assert "| scenario | range |" not in out and "How to read" not in out
+    lines = out.splitlines()
+    head = lines.index("headline (the summary has every range and kernel):")
+    for scenario, line in zip(("reload-full", "reload-filtered", "forward"), lines[head + 1:]):
+        assert line.split()[0] == scenario and "ms per run" in line and "most self time:" in line
+    for name in ("trace.json", "summary.md", "summary.csv", "kernels.csv"):
+        assert name in out.split("files:")[1], name
+
+
 def test_a_failing_nsys_falls_back_to_torch_profiler(tmp_path, ckpts, monkeypatch, capsys):
     """On the H200 nsys records but cannot export: the command must still deliver a trace."""
     bindir = tmp_path / "bin"
@@ -103,12 +108,14 @@ def test_a_failing_nsys_falls_back_to_torch_profiler(tmp_path, ckpts, monkeypatc
     out = tmp_path / "out"
     assert cli.main(["profile", "--out", str(out), "--scenario", "reload-filtered", "--preset", "tiny",
                      "--device", "cpu", "--repeat", "1", "--checkpoint", str(ckpts[("fp8", 0)])]) == 0
-    printed = capsys.readouterr().out
-    assert "falling back to torch.profiler" in printed and "trace.json" in printed
+    printed = capsys.readouterr()
+    assert "falling back to torch.profiler" in printed.err and "trace.json" in printed.out
     assert (out / "trace.json").exists() and (out / "summary.md").exists()
-    with pytest.raises(SystemExit, match="nsys profile failed"):
-        cli.main(["profile", "--out", str(out), "--tool", "nsys", "--scenario", "reload-filtered",
-                  "--preset", "tiny", "--device", "cpu", "--checkpoint", str(ckpts[("fp8", 0)])])
+    # asked for nsys explicitly: no fallback, one line, exit 2
+    assert cli.main(["profile", "--out", str(out), "--tool", "nsys", "--scenario", "reload-filtered",
+                     "--preset", "tiny", "--device", "cpu", "--checkpoint", str(ckpts[("fp8", 0)])]) == 2
+    assert capsys.readouterr().err.splitlines()[-1] == \
+        "fp8-reload profile: error: nsys profile failed (exit 1)"
 
 
 def test_nsys_command_lines():

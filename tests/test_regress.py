@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 
@@ -136,3 +137,31 @@ def test_a_failure_in_any_round_fails(root):
         h = write_result(root / f"r{k}", "m", "b" * 40, {T: (PARAMS, head)})
         rounds.append(compare(b, h))
     assert by_strategy(combine_rounds(rounds))["fixed"].status == "failed"
+
+
+def test_regress_reports_progress_per_side_and_round(root, tmp_path, monkeypatch, capsys):
+    """Each side of each round takes ~half a minute on a CPU box: a line before and after it
+    on stderr, the comparison on stdout. asv and the worktrees are stood in for here."""
+    from fp8_reload.tools import regress as rg
+
+    shas = {"HEAD": "a" * 40, "HEAD~0": "b" * 40}  # names git resolves in any checkout
+    runs = []
+
+    def fake_checkout(repo, commit, work):
+        return shas[commit], tmp_path / commit
+
+    def fake_asv_run(repo, sha, src, work, *args, log=print, **kw):
+        runs.append(sha[0])
+        return write_result(work, "m", sha, {T: (PARAMS, [1.0, 2.0] if sha[0] == "a" else [1.5, 2.0])})
+
+    monkeypatch.setattr(rg, "checkout", fake_checkout)
+    monkeypatch.setattr(rg, "asv_run", fake_asv_run)
+    monkeypatch.setattr(rg, "ensure_machine", lambda name, **kw: {})
+    assert rg.regress("HEAD", "HEAD~0", repo=Path(__file__).parent, rounds=2,
+                      keep=tmp_path / "keep") == 1
+    captured = capsys.readouterr()
+    assert runs == ["a", "b", "b", "a"]  # ABBA
+    lines = [line for line in captured.err.splitlines() if line.startswith("[regress] round")]
+    assert len(lines) == 8 and lines[0].startswith("[regress] round 1/2: base (aaaaaaaaaaaa) running")
+    assert lines[1].startswith("[regress] round 1/2: base done in ")
+    assert "slower" in captured.out and "[regress]" not in captured.out

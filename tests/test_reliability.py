@@ -28,11 +28,14 @@ import fp8_reload.layers as layers
 import fp8_reload.processing as proc
 import fp8_reload.processing.moe as moe_processing
 import fp8_reload.reload.backup as backup_mod
+import fp8_reload.reload.stream as stream_mod
+import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.layers import EXPERT_RE, FusedMoE
+from fp8_reload.reload.chunks import Chunk
 
 from . import bad_checkpoints as bad
-from .conftest import copy_checkpoint, fail_if_hangs, mix_checkpoints, tokens
+from .conftest import WRITE_POINT, copy_checkpoint, fail_if_hangs, mix_checkpoints, tokens
 
 KINDS = ["fp8", "bf16"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -211,7 +214,7 @@ def test_a_failing_filter_is_a_reload_error(ckpts):
     assert unchanged(model, before) == []
 
 
-def test_out_of_memory_while_staging_is_a_reload_error_and_writes_nothing(ckpts, monkeypatch):
+def test_out_of_memory_while_staging_is_a_reload_error_and_writes_nothing(ckpts, monkeypatch, engine):
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     orig = Checkpoint.read
@@ -222,7 +225,13 @@ def test_out_of_memory_while_staging_is_a_reload_error_and_writes_nothing(ckpts,
                 raise MemoryError("host out of memory")
             yield item
 
-    monkeypatch.setattr(Checkpoint, "read", read_then_oom)
+    def scales_then_oom(*args, **kwargs):
+        raise MemoryError("host out of memory")
+
+    if engine == "staged":
+        monkeypatch.setattr(Checkpoint, "read", read_then_oom)
+    else:  # what the streaming engine reads before the lock: the scales
+        monkeypatch.setattr(stream_mod, "read_scalars", scales_then_oom)
     with pytest.raises(fr.ReloadError, match="before anything was written: MemoryError"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert unchanged(model, before) == []
@@ -265,15 +274,16 @@ FILTERED = {1: [0, 3], 2: [5]}
 
 # (name, owner, attribute, at which call): points inside commit ...
 COMMIT_POINTS = [
-    ("expert-loader", FusedMoE, "_load_into_slot", 4),
+    ("stream-copy", Chunk, "source", 4),  # the streaming engine (default)
+    ("expert-loader", FusedMoE, "_load_into_slot", 4),  # the staged engine's loaders
     ("linear-loader", proc.FixedFp8LinearMethod, "load_linear", 3),
 ]
 # ... and inside post-processing
 PROCESS_POINTS = [
     ("moe-process", proc.FixedFp8MoEMethod, "process_weights_after_loading", 2),
     ("linear-process", proc.FixedFp8LinearMethod, "process_weights_after_loading", 3),
-    ("requantize-kernel", moe_processing, "requantize_w13_to_expert_max_", 1),
-    ("quantize-kernel", moe_processing, "quantize_experts_", 2),
+    ("requantize-kernel", moe_processing, "process_fp8_experts_", 1),
+    ("quantize-kernel", moe_processing, "quantize_staged_experts_", 2),
 ]
 
 
@@ -298,6 +308,8 @@ def _fault_cases():
                     continue  # the quantize-on-load path only
                 if name.startswith("linear") and spec is not None:
                     continue  # the filter holds experts only
+                if name == "stream-copy" and kind == "bf16" and spec is not None:
+                    continue  # bf16 experts are quantized on load: no plain copy to fault
                 out.append(pytest.param(owner, attr, at, kind, spec, id=f"{name}-{kind}-{spec_name}"))
     return out
 
@@ -306,6 +318,10 @@ def _fault_cases():
 @pytest.mark.parametrize("owner,attr,at,kind,spec", _fault_cases())
 def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, monkeypatch,
                                                    owner, attr, at, kind, spec, device):
+    if attr in ("_load_into_slot", "load_linear") and kind == "fp8":
+        # FP8 tensors take a loader only in the staged engine (bf16 ones, quantized on
+        # load, take theirs on CPU in both)
+        monkeypatch.setattr(transaction_mod, "ENGINE", "staged")
     model = fr.load_model(ckpts[kind, 0], device=device)
     x = tokens(tiny_cfg).to(device)
     y0 = model(x)
@@ -332,10 +348,10 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("where", ["commit", "process"])
-def test_keyboard_interrupt_mid_reload_restores_and_propagates(ckpts, monkeypatch, kind, where):
+def test_keyboard_interrupt_mid_reload_restores_and_propagates(ckpts, monkeypatch, kind, where, engine):
     model = fr.load_model(ckpts[kind, 0])
     before = fr.snapshot(model)
-    owner, attr = ((FusedMoE, "_load_into_slot") if where == "commit"
+    owner, attr = (WRITE_POINT[engine] if where == "commit"
                    else (proc.FixedFp8MoEMethod, "process_weights_after_loading"))
     fault = Fault(monkeypatch, owner, attr, 2, KeyboardInterrupt(), model, before)
     with pytest.raises(KeyboardInterrupt):
@@ -344,11 +360,11 @@ def test_keyboard_interrupt_mid_reload_restores_and_propagates(ckpts, monkeypatc
     assert unchanged(model, before) == []
 
 
-def test_ctrl_c_during_restore_is_deferred_until_the_model_is_whole(ckpts, monkeypatch):
+def test_ctrl_c_during_restore_is_deferred_until_the_model_is_whole(ckpts, monkeypatch, engine):
     """A real SIGINT arriving while the backup is restored does not cut the restore short."""
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, *WRITE_POINT[engine], 20, DEVICE_FAULT, model, before)
     orig = backup_mod.Backup.restore
     progress = []
 
@@ -398,10 +414,10 @@ def test_upstream_fault_mid_processing_puts_back_the_replaced_parameters(ckpts, 
     assert unchanged(model, before) == []
 
 
-def test_failed_rollback_is_reported_and_only_a_full_reload_repairs(ckpts, tmp_path, monkeypatch):
+def test_failed_rollback_is_reported_and_only_a_full_reload_repairs(ckpts, tmp_path, monkeypatch, engine):
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    Fault(monkeypatch, FusedMoE, "_load_into_slot", 10, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, *WRITE_POINT[engine], 5, DEVICE_FAULT, model, before)
     Fault(monkeypatch, backup_mod, "index_copy_", 1, RuntimeError("device lost"), model, before)
     with pytest.raises(fr.RollbackError, match="restoring the backup failed too"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter(FILTERED))
@@ -421,14 +437,19 @@ def test_failed_rollback_is_reported_and_only_a_full_reload_repairs(ckpts, tmp_p
 
 @pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("spec", [None, {1: [2]}, FILTERED], ids=["full", "one", "three"])
-def test_staged_and_backup_bytes_are_bounded_by_the_reload(ckpts, tiny_cfg, kind, spec):
+def test_staged_and_backup_bytes_are_bounded_by_the_reload(ckpts, tiny_cfg, kind, spec, engine):
     path = ckpts[kind, 0]
     ckpt = fr.Checkpoint(path)
     model = fr.load_model(path)
     flt = None if spec is None else fr.generate_weight_name_filter(spec)
     report = fr.update_weights_from_disk(model, path, flt)
     selected = [n for n in ckpt.names if flt is None or flt(n)]
-    assert report.staged_bytes == sum(ckpt.info(n).nbytes for n in selected)
+    assert report.bytes_read == sum(ckpt.info(n).nbytes for n in selected)
+    if engine == "staged":
+        assert report.staged_bytes == report.bytes_read
+    else:  # only what takes a Python loader is staged (on CPU: bf16 experts); the rest streams
+        assert report.staged_bytes <= report.bytes_read
+        assert kind == "bf16" or report.staged_bytes < report.bytes_read
     model_bytes = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))
     if spec is None:
         assert report.backup_bytes <= model_bytes
@@ -506,10 +527,10 @@ def outputs(ckpts, tiny_cfg):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, outputs, monkeypatch,
-                                                                       device):
+                                                                       device, engine):
     x, y0, y1 = outputs(device)
     model = fr.load_model(ckpts["fp8", 0], device=device)
-    gate = Gate(monkeypatch, FusedMoE, "_load_into_slot", at=40)  # mid-commit
+    gate = Gate(monkeypatch, *WRITE_POINT[engine], at=40)  # mid-commit
     reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     assert gate.reached.wait(WAIT)
 
@@ -528,13 +549,15 @@ def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, o
     assert torch.equal(fwd_r["value"], y1)
 
 
-def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, outputs, monkeypatch):
-    """Why a reader/writer rule: staging (disk reads, often most of a reload) does not
-    stall serving; only the in-place commit does."""
+def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, outputs, monkeypatch, engine):
+    """Why a reader/writer rule: what a reload reads before it writes does not stall
+    serving; only the in-place commit does. (Staged: every tensor is read first.
+    Streaming: the scales and loader-bound tensors; the bulk streams under the lock,
+    at the link's speed, see docs/how-it-works.md.)"""
     x, y0, y1 = outputs()
     model = fr.load_model(ckpts["fp8", 0])
     reached, release = threading.Event(), threading.Event()
-    orig = Checkpoint.read
+    orig, orig_scalars = Checkpoint.read, stream_mod.read_scalars
 
     def slow_read(self, names, stats=None, into=None):
         for i, item in enumerate(orig(self, names, stats, into=into)):
@@ -543,7 +566,15 @@ def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, output
                 assert release.wait(WAIT)
             yield item
 
-    monkeypatch.setattr(Checkpoint, "read", slow_read)
+    def slow_scalars(*args, **kwargs):
+        reached.set()
+        assert release.wait(WAIT)
+        return orig_scalars(*args, **kwargs)
+
+    if engine == "staged":
+        monkeypatch.setattr(Checkpoint, "read", slow_read)
+    else:
+        monkeypatch.setattr(stream_mod, "read_scalars", slow_scalars)
     reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     assert reached.wait(WAIT)
     fwd_t, fwd_r = _thread(model, x)
@@ -585,17 +616,18 @@ def test_a_waiting_reload_is_not_starved_by_new_forwards(ckpts, outputs, monkeyp
     assert torch.equal(late_r["value"], y1)
 
 
-def test_two_reloads_serialize(ckpts, tmp_path, monkeypatch):
+def test_two_reloads_serialize(ckpts, tmp_path, monkeypatch, engine):
     model = fr.load_model(ckpts["fp8", 0])
     order = []
-    orig = FusedMoE._load_into_slot
+    owner, attr = WRITE_POINT[engine]
+    orig = getattr(owner, attr)
 
     def traced(self, *args, **kwargs):
         order.append(threading.current_thread().name)
         time.sleep(0.001)  # widen the window for interleaving
         return orig(self, *args, **kwargs)
 
-    monkeypatch.setattr(FusedMoE, "_load_into_slot", traced)
+    monkeypatch.setattr(owner, attr, traced)
     start = threading.Barrier(2)
     specs = {"A": {1: [0, 1, 2]}, "B": {2: [3, 4, 5]}}
 
@@ -618,17 +650,18 @@ def test_two_reloads_serialize(ckpts, tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_many_forwards_during_many_reloads_see_old_or_new_never_a_mix(ckpts, outputs, monkeypatch,
-                                                                     device):
+                                                                     device, engine):
     x, y0, y1 = outputs(device)
     model = fr.load_model(ckpts["fp8", 0], device=device)
-    orig = FusedMoE._load_into_slot
+    owner, attr = WRITE_POINT[engine]
+    orig = getattr(owner, attr)
 
     def slow(self, *args, **kwargs):
         out = orig(self, *args, **kwargs)
         time.sleep(0.0002)  # let forwards queue up against the commit
         return out
 
-    monkeypatch.setattr(FusedMoE, "_load_into_slot", slow)
+    monkeypatch.setattr(owner, attr, slow)
     stop = threading.Event()
     seen = {"old": 0, "new": 0, "mixed": 0}
     reloading = threading.Event()
@@ -688,7 +721,7 @@ INTERLEAVINGS = ["other-reload-reading", "other-reload-waiting-to-commit", "othe
 
 @pytest.mark.parametrize("when", INTERLEAVINGS)
 def test_a_reload_from_a_forward_raises_whatever_another_reload_is_doing(ckpts, outputs, monkeypatch,
-                                                                          when):
+                                                                          when, engine):
     """Thread R reloads the model; thread F runs a forward whose hook asks for a reload
     of the same model. Before the fix, F waited for the reload lock that R held while R
     waited for F's forward to end. Now F's request raises at once, F's forward and R's
@@ -717,16 +750,30 @@ def test_a_reload_from_a_forward_raises_whatever_another_reload_is_doing(ckpts, 
 
     if when == "other-reload-reading":  # R holds the reload lock, reading; F then runs
         reading, resume = threading.Event(), threading.Event()
-        orig = Checkpoint.read
 
-        def slow_read(self, names, stats=None, into=None):
-            for i, item in enumerate(orig(self, names, stats, into=into)):
-                if i == 1 and threading.current_thread().name == "R":
-                    reading.set()
-                    assert resume.wait(WAIT)
-                yield item
+        def pause():
+            if threading.current_thread().name == "R" and not reading.is_set():
+                reading.set()
+                assert resume.wait(WAIT)
 
-        monkeypatch.setattr(Checkpoint, "read", slow_read)
+        if engine == "staged":  # every tensor is read before the lock
+            orig = Checkpoint.read
+
+            def slow_read(self, names, stats=None, into=None):
+                for i, item in enumerate(orig(self, names, stats, into=into)):
+                    if i == 1:
+                        pause()
+                    yield item
+
+            monkeypatch.setattr(Checkpoint, "read", slow_read)
+        else:  # the streaming engine reads the scales before the lock
+            orig_scalars = stream_mod.read_scalars
+
+            def slow_scalars(*args, **kwargs):
+                pause()
+                return orig_scalars(*args, **kwargs)
+
+            monkeypatch.setattr(stream_mod, "read_scalars", slow_scalars)
         reload_t = threading.Thread(target=fr.update_weights_from_disk, args=(model, ckpts["fp8", 1]),
                                     name="R", daemon=True)
         reload_t.start()
@@ -750,7 +797,7 @@ def test_a_reload_from_a_forward_raises_whatever_another_reload_is_doing(ckpts, 
         fwd.join(WAIT)
         assert not fwd.is_alive(), "deadlock: the forward's reload waited for the reload lock"
     else:  # R commits; F's forward waits for it, then its hook asks for a reload
-        gate = Gate(monkeypatch, FusedMoE, "_load_into_slot", at=40)
+        gate = Gate(monkeypatch, *WRITE_POINT[engine], at=40)
         reload_t = threading.Thread(target=fr.update_weights_from_disk, args=(model, ckpts["fp8", 1]),
                                     name="R", daemon=True)
         reload_t.start()
@@ -768,13 +815,14 @@ def test_a_reload_from_a_forward_raises_whatever_another_reload_is_doing(ckpts, 
     assert torch.equal(model(x), y1)  # R's reload went through; F's request changed nothing
 
 
-def test_a_reload_from_inside_a_reload_on_the_same_thread_is_refused(ckpts, monkeypatch):
+def test_a_reload_from_inside_a_reload_on_the_same_thread_is_refused(ckpts, monkeypatch, engine):
     """A loader (or a hook it runs) calling back into update_weights_from_disk would
     re-enter the transaction half-way on the same thread (the reload lock is
-    re-entrant): refused, and the outer reload rolls back."""
+    re-entrant): refused, and the outer reload rolls back and raises that refusal."""
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    orig = FusedMoE._load_into_slot
+    owner, attr = WRITE_POINT[engine]
+    orig = getattr(owner, attr)
     inner = []
 
     def calls_back(self, *args, **kwargs):
@@ -786,11 +834,11 @@ def test_a_reload_from_inside_a_reload_on_the_same_thread_is_refused(ckpts, monk
                 raise
         return orig(self, *args, **kwargs)
 
-    monkeypatch.setattr(FusedMoE, "_load_into_slot", calls_back)
-    with pytest.raises(fr.CommitError) as info:
+    monkeypatch.setattr(owner, attr, calls_back)
+    with pytest.raises(fr.ReloadError) as info:
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert inner and "already running on this thread" in str(inner[0])
-    assert info.value.__cause__ is inner[0]
+    assert info.value is inner[0] or info.value.__cause__ is inner[0]
     assert unchanged(model, before) == []
     monkeypatch.undo()
     fr.update_weights_from_disk(model, ckpts["fp8", 1])  # nothing left held
@@ -825,10 +873,10 @@ class AppInterrupt(Exception):
 
 @pytest.mark.parametrize("previous", ["ignored", "app-handler", "app-handler-raises"])
 def test_ctrl_c_during_restore_goes_to_the_previous_handler(ckpts, monkeypatch, sigint_handler,
-                                                            previous):
+                                                            previous, engine):
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, *WRITE_POINT[engine], 20, DEVICE_FAULT, model, before)
     progress: list = []
     _restore_with_sigint(monkeypatch, progress)
 
@@ -851,12 +899,12 @@ def test_ctrl_c_during_restore_goes_to_the_previous_handler(ckpts, monkeypatch, 
     assert unchanged(model, before) == []
 
 
-def test_a_handler_not_installed_from_python_is_left_alone(ckpts, monkeypatch):
+def test_a_handler_not_installed_from_python_is_left_alone(ckpts, monkeypatch, engine):
     """`signal.getsignal` returns None for a handler installed outside Python: it could
     not be put back once replaced, so the restore installs nothing at all."""
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    Fault(monkeypatch, FusedMoE, "_load_into_slot", 20, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, *WRITE_POINT[engine], 20, DEVICE_FAULT, model, before)
     installed = []
     real_signal, real_getsignal = signal.signal, signal.getsignal
     monkeypatch.setattr(signal, "getsignal", lambda s: None if s == signal.SIGINT else real_getsignal(s))
@@ -900,19 +948,19 @@ def test_ctrl_c_under_sig_dfl_ends_the_process_after_the_restore(ckpts):
     import subprocess
     import sys
 
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "FP8_RELOAD_ENGINE": "staged"}  # its loaders fault
     proc = subprocess.run([sys.executable, "-c", _SIG_DFL_CHILD, str(ckpts["fp8", 0]),
                            str(ckpts["fp8", 1])], capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == -signal.SIGINT, (proc.returncode, proc.stdout, proc.stderr)
     assert proc.stdout.splitlines() == ["restored"], proc.stdout
 
 
-def test_ctrl_c_during_a_failing_restore_still_marks_the_model(ckpts, monkeypatch):
+def test_ctrl_c_during_a_failing_restore_still_marks_the_model(ckpts, monkeypatch, engine):
     """The restore fails and Ctrl-C arrives meanwhile: KeyboardInterrupt reaches the
     caller, and the model is marked undefined first (only a full reload is accepted)."""
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    Fault(monkeypatch, FusedMoE, "_load_into_slot", 10, DEVICE_FAULT, model, before)
+    Fault(monkeypatch, *WRITE_POINT[engine], 5, DEVICE_FAULT, model, before)
     Fault(monkeypatch, backup_mod, "index_copy_", 1, RuntimeError("device lost"), model, before)
     _restore_with_sigint(monkeypatch, [])
     with pytest.raises(KeyboardInterrupt):

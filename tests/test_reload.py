@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -259,13 +260,13 @@ def test_errors_name_the_cause_and_leave_the_model_alone(ckpts, tmp_path, monkey
     # A fault in the middle of post-processing is rolled back.
     import fp8_reload.processing.moe as moe_processing
 
-    orig = moe_processing.requantize_w13_to_expert_max_
+    orig = moe_processing.process_fp8_experts_
 
-    def fail_midway(w13, scale, experts, shard):
-        orig(w13, scale, experts[:1], shard)  # writes one expert, then dies
+    def fail_midway(w13, scale, experts, shard, input_scales=None):
+        orig(w13, scale, experts[:1], shard, input_scales)  # writes one expert, then dies
         raise RuntimeError("injected device fault")
 
-    monkeypatch.setattr(moe_processing, "requantize_w13_to_expert_max_", fail_midway)
+    monkeypatch.setattr(moe_processing, "process_fp8_experts_", fail_midway)
     with pytest.raises(fr.ReloadError, match="injected device fault"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter({1: [0, 1, 2]}))
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
@@ -288,14 +289,15 @@ def test_planning_reuses_the_parsed_checkpoint_until_a_file_changes(ckpts, tmp_p
     model = fr.load_model(path)
     flt = fr.generate_weight_name_filter({1: [2]})
     fr.update_weights_from_disk(model, path, flt)
-    first = model._checkpoint_cache[2]
+    key = os.path.realpath(path)
+    first = model._checkpoint_cache[key][1]
     fr.update_weights_from_disk(model, path, flt)
-    assert model._checkpoint_cache[2] is first  # nothing changed: index and headers reused
+    assert model._checkpoint_cache[key][1] is first  # nothing changed: index and headers reused
     name = "model.layers.1.mlp.experts.2.gate_proj.weight_scale"
     rewrite_tensor(path, name, lambda t: t * 2)  # rewritten in place: the stamp changes
     before = fr.snapshot(model)
     fr.update_weights_from_disk(model, path, flt)
-    assert model._checkpoint_cache[2] is not first
+    assert model._checkpoint_cache[key][1] is not first
     assert fr.compare_states(before, fr.snapshot(model)) != []  # the new scale was read
     shard = path / fr.Checkpoint(path).weight_map[name]
     shard.unlink()

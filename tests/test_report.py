@@ -23,6 +23,7 @@ FULL = "reload.FullReload.time_reload"
 RAW = "reload.RawReadCopy.time_read_copy"
 PROC = "processing.ProcessMoELayer.time_process"
 MEM = "reload.ReloadDeviceMemory.track_peak_bytes"
+BOUND = "reload.DeviceMemoryBound.track_bound_bytes"
 FWD = "forward.MoEForward.time_forward"
 ACC = "accuracy.ForwardAccuracy.track_calc_diff"
 SM = "forward.DeepGemmScaleMode.time_forward"
@@ -50,6 +51,7 @@ def results(tmp_path):
         PROC: (["preset", "kind", "impl"], [["small"], KINDS, ["upstream", "fixed", "fixed-1-expert"]],
                "seconds"),
         MEM: (["preset", "kind", "experts"], [["small"], KINDS, FR + ["full"]], "bytes"),
+        BOUND: ([], [], "bytes"),
         FWD: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [16, 128]], "seconds"),
         ACC: (["preset", "backend", "tokens"], [["small"], ["torch", "triton"], [64]], "calc_diff"),
         SM: (["preset", "scale_mode", "tokens"], [["small"], ["precomputed", "cached", "per-forward"],
@@ -66,6 +68,7 @@ def results(tmp_path):
         PROC: ([["small"], KINDS, ["upstream", "fixed", "fixed-1-expert"]],
                [0.050, 0.004, 0.001, 0.050, 0.100, 0.002]),
         MEM: ([["small"], KINDS, FR + ["full"]], [NAN] * 5 + [50 * 2**20, NAN, NAN, NAN, 3 * 2**30]),
+        BOUND: ([], [256 * 2**20]),
         FWD: ([["small"], ["torch", "triton"], [16, 128]], [0.002, 0.004, NAN, None]),
         ACC: ([["small"], ["torch", "triton"], [64]], [1.5e-3, NAN]),
         SM: ([["small"], ["precomputed", "cached", "per-forward"], [128]], [0.00100, 0.00102, 0.00125]),
@@ -108,8 +111,23 @@ def test_headline_ratios_and_targets(results):
     mem = fp8.loc["reload device-memory peak above the model"]
     assert mem["met"] is None and "needs CUDA" in mem["detail"]
     mem = bf16.loc["reload device-memory peak above the model"]
-    assert mem["value"] == 3072.0 and not bool(mem["met"])
+    assert mem["value"] == 3072.0 and not bool(mem["met"]) and mem["target"] == "<= 256 MiB"
     assert "1 expert/layer 50.0 MiB, full 3072.0 MiB" in mem["detail"]
+
+
+def test_memory_is_judged_by_the_bound_recorded_with_the_results(results):
+    df = load_results(results)
+    loose = df.copy()
+    loose.loc[loose.benchmark == BOUND, "value"] = 4 * 2**30  # the measured code allowed 4 GiB
+    mem = headline(loose).set_index(["kind", "figure"]).loc[
+        ("bf16", "reload device-memory peak above the model")]
+    assert bool(mem["met"]) and mem["target"] == "<= 4096 MiB"
+    older = df[df.benchmark != BOUND]  # results from before the bound was recorded: not judged
+    mem = headline(older).set_index(["kind", "figure"]).loc[
+        ("bf16", "reload device-memory peak above the model")]
+    assert mem["met"] is None and mem["value"] == 3072.0
+    assert mem["target"] == f"<= {fr.processing.reload_memory_bound() >> 20} MiB (this code's)"
+    assert "not judged" in mem["detail"]
 
 
 def test_write_report_files(results, tmp_path):
@@ -173,3 +191,43 @@ def test_times_are_best_samples_unless_median_is_asked_for(tmp_path):
     median = pd.read_csv(Path(write_report(root, tmp_path / "m", stat="median")["headline.csv"]))
     assert best["value"].iloc[0] == 80.0 and median["value"].iloc[0] == 8.0
     assert "asv's median is `asv_value`" in (tmp_path / "b" / "headline.md").read_text()
+
+
+def test_the_committed_report_is_what_the_code_makes_of_the_committed_results(tmp_path):
+    """results/report/ must be regenerated whenever the report code or results/asv change."""
+    repo = Path(__file__).resolve().parents[1]
+    written = write_report(repo / "results" / "asv", tmp_path)
+    committed = repo / "results" / "report"
+    assert {p.name for p in committed.iterdir()} == set(written)
+    for name in written:
+        if name.endswith((".md", ".csv")):
+            assert (tmp_path / name).read_text() == (committed / name).read_text(), \
+                f"results/report/{name} is stale: run `fp8-reload report`"
+
+
+def test_your_machine_beside_the_curated_ones(results, tmp_path, capsys):
+    mine = tmp_path / "local"
+    write_benchmarks_json(mine, {FULL: (["preset", "kind"], [["small"], KINDS], "seconds")})
+    write_machine(mine, "laptop")
+    write_result(mine, "laptop", "f" * 40, {FULL: ([["small"], KINDS], [0.3, 0.6])})
+    assert main(["report", "--results", str(results), "--results", str(mine),
+                 "--out", str(tmp_path / "r")]) == 0
+    md = (tmp_path / "r" / "headline.md").read_text()
+    assert "## box (commit cccccccc)" in md and "## laptop (commit ffffffff)" in md
+    write_machine(mine, "box")  # the same name in both: refused in one line
+    capsys.readouterr()
+    assert main(["report", "--results", str(results), "--results", str(mine),
+                 "--out", str(tmp_path / "r")]) == 2
+    assert "machine 'box' is in both" in capsys.readouterr().err
+
+
+def test_reload_plot_panels_show_curves_only():
+    from fp8_reload.tools.report.plots import percent, reload_series
+
+    assert [percent(x) for x in (1 / 64, 6 / 64, 0.5, 1.0)] == ["1.56%", "9.38%", "50%", "100%"]
+    rows = pd.DataFrame([
+        {"benchmark": FILTERED, "strategy": "fixed", "experts": "1/layer", "value": 0.01},
+        {"benchmark": FILTERED, "strategy": "fixed", "experts": "100%", "value": 0.1},
+        {"benchmark": FILTERED, "strategy": "scan-all", "experts": "1/layer", "value": 0.2},
+        {"benchmark": RAW, "experts": "full", "reader": "preadv", "value": 0.05}])
+    assert reload_series(rows, 16) == {"fixed": [(1 / 16, 0.01), (1.0, 0.1)]}  # no lone points

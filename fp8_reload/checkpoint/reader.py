@@ -39,25 +39,39 @@ from .layout import INDEX_FILE, SINGLE_FILE
 from .staging import READ_THREADS, aligned
 
 
-def _read_tensor(handle, fpath: Path, info: TensorInfo,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bytes of one tensor (validated offsets), into `out` (uint8, e.g. a pinned
-    staging slice) or fresh CPU memory. Positional reads: threads may share `handle`."""
-    buf = torch.empty(info.nbytes, dtype=torch.uint8) if out is None else out
+def open_shard(fpath: Path):
+    """A shard opened for positional reads (a file object: use it in a ``with``); a
+    regular file only, opened without blocking (`files.open_regular`)."""
+    return files.open_regular(fpath)
+
+
+def read_span(handle, fpath: Path, offset: int, nbytes: int, out: torch.Tensor | None = None,
+              what: str = "data") -> torch.Tensor:
+    """`nbytes` bytes at `offset` (validated by the caller against the header), into `out`
+    (uint8, e.g. a pinned staging slice) or fresh CPU memory. Positional reads: threads may
+    share `handle`."""
+    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
     view = memoryview(buf.numpy())
     fd = handle.fileno()
     got = 0
     try:
-        while got < info.nbytes:  # one read returns at most ~2 GiB on Linux
-            n = os.preadv(fd, [view[got:]], info.offset + got)
+        while got < nbytes:  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [view[got:]], offset + got)
             if not n:
                 raise CorruptCheckpointError(
-                    f"{fpath}: truncated while reading tensor {info.name!r}: got {got} of "
-                    f"{info.nbytes} bytes (the file changed after its header was read?)")
+                    f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
+                    "(the file changed after its header was read?)")
             got += n
     except OSError as e:
         err = files.os_error(e, fpath)
-        raise type(err)(f"{err} (reading tensor {info.name!r})") from None
+        raise type(err)(f"{err} (reading {what})") from None
+    return buf
+
+
+def _read_tensor(handle, fpath: Path, info: TensorInfo,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """The bytes of one tensor, viewed with its dtype and shape."""
+    buf = read_span(handle, fpath, info.offset, info.nbytes, out, what=f"tensor {info.name!r}")
     return buf.view(info.dtype).reshape(info.shape)
 
 
@@ -87,6 +101,10 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self.weight_map = self._weight_map()
+        # kept with this parsed checkpoint, i.e. while `unchanged()`:
+        self.checked: set[str] = set()  # tensors whose values a reload has checked
+        self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
+        self.plans: dict = {}  # full-reload plans by model (reload/transaction.py)
 
     def _check_directory(self) -> None:
         try:
@@ -204,22 +222,27 @@ class Checkpoint:
                                               f"which does not exist ({fpath})") from None
         return self._headers[fname].tensors
 
-    def _open_shard(self, fname: str, stamps: dict):
-        """Open a shard for its tensor bytes if it is still the file whose header was
-        parsed (same stamp and header bytes). A shard replaced or rewritten since then
-        is refused: never read at another file's offsets, and never a file newer than
-        the plan (one shard of a new version beside the others of the old one).
-        `stamps[fname]` records the opened file's stamp."""
+    def open_shard(self, fname: str):
+        """Open shard `fname` for its tensor bytes, if it is still the file whose header
+        was parsed (same stamp and header bytes): (file, its stamp). A shard replaced or
+        rewritten since then is refused: never read at another file's offsets, and
+        never a file newer than the plan (one shard of a new version beside the others
+        of the old one)."""
         fpath = self.path / fname
+        self._header(fname)
         f = files.open_regular(fpath)
         try:
             if not self._headers[fname].unchanged(f, fpath):
                 raise CorruptCheckpointError(f"{fpath}: changed after its header was read (rewritten "
                                              "or replaced while loading); nothing was read from it")
-            stamps[fname] = files.stamp(files.fstat(f, fpath))
+            stamp = files.stamp(files.fstat(f, fpath))
         except BaseException:
             f.close()
             raise
+        return f, stamp
+
+    def _open_shard(self, fname: str, stamps: dict):
+        f, stamps[fname] = self.open_shard(fname)
         return f
 
     def info(self, name: str) -> TensorInfo:

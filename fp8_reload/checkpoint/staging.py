@@ -54,18 +54,30 @@ class PinnedArena:
         self.buffer, self.used = None, 0
 
 
+def held(model) -> dict:
+    """What the model holds for its reloads ({name: object with `release()`}): pinned
+    arenas, the streaming ring, registered shards, device scratch."""
+    return model.__dict__.setdefault("_pinned_arenas", {})
+
+
+def holder(model, which: str, make):
+    """The model's `which`, made by `make()` on first use."""
+    things = held(model)
+    if which not in things:
+        things[which] = make()
+    return things[which]
+
+
 def arena(model, which: str) -> PinnedArena:
     """The model's reusable arena `which` ("staging" or "backup"), created on first use."""
-    arenas = model.__dict__.setdefault("_pinned_arenas", {})
-    if which not in arenas:
-        arenas[which] = PinnedArena()
-    return arenas[which]
+    return holder(model, which, PinnedArena)
 
 
 def release_staging(model) -> None:
-    """Give the pinned staging/backup memory back (the next GPU reload re-allocates it)."""
-    for a in model.__dict__.get("_pinned_arenas", {}).values():
-        a.release()
+    """Give back what reloads hold between calls: pinned staging, backup and ring
+    memory, registered shards, device scratch (the next reload re-allocates them)."""
+    for thing in held(model).values():
+        thing.release()
 
 
 def aligned(nbytes: int) -> int:

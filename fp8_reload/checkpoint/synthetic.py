@@ -110,14 +110,46 @@ class _Content:
         return self._last[1][name]
 
 
+class _FastContent:
+    """Valid values at memory speed, for I/O benchmarks of whole models: every weight is
+    a slice of one random pool (FP8 bytes that are never NaN, or bf16 normals), scales
+    are fixed. Deterministic by (seed, name); not the seeded model (no accuracy meaning)."""
+
+    POOL = 64 << 20
+
+    def __init__(self, kind: str, seed: int):
+        g = torch.Generator().manual_seed(seed)
+        if kind == "fp8":
+            pool = torch.randint(0, 0x7F, (self.POOL,), generator=g, dtype=torch.uint8)  # 0x7f: NaN
+            pool |= torch.randint(0, 2, (self.POOL,), generator=g, dtype=torch.uint8) << 7
+            self.pool = pool.view(torch.float8_e4m3fn)
+        else:
+            self.pool = (torch.randn(self.POOL // 2, generator=g) * 0.02).to(torch.bfloat16)
+
+    def __call__(self, name: str, shape) -> torch.Tensor:
+        if name.endswith("_scale"):
+            return torch.tensor(1e-3 if name.endswith("weight_scale") else 0.02, dtype=torch.float32)
+        if not name.endswith("proj.weight"):
+            return other_tensor(0, name, shape)
+        n = math.prod(shape)
+        start = zlib.crc32(name.encode()) % max(1, self.pool.numel() - n)
+        if n <= self.pool.numel():
+            return self.pool[start:start + n].view(shape).clone()
+        reps = -(-n // self.pool.numel())
+        return self.pool.repeat(reps)[:n].view(shape)
+
+
 def write_checkpoint(path, cfg: MoEConfig, seed: int = 0, kind: str = "fp8",
                      max_shard_bytes: int = 1 << 30, min_shards: int = 4,
-                     progress: bool | None = None) -> Path:
+                     progress: bool | None = None, fill: str = "seeded") -> Path:
     """Write an HF-layout checkpoint of `cfg` to `path` (created if needed).
 
     Returns the directory. ``progress=None`` shows a progress bar for checkpoints
-    over 256 MiB.
+    over 256 MiB. ``fill="fast"`` writes valid but meaningless values at disk speed
+    (`_FastContent`: whole-model I/O benchmarks); the default is the seeded model.
     """
+    if fill not in ("seeded", "fast"):
+        raise ValueError(f"fill must be 'seeded' or 'fast', got {fill!r}")
     check_kind(kind)
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
@@ -136,7 +168,7 @@ def write_checkpoint(path, cfg: MoEConfig, seed: int = 0, kind: str = "fp8",
     ends = bounds + [len(layout)]
     n = len(starts)
 
-    content = _Content(cfg, kind, seed)
+    content = _Content(cfg, kind, seed) if fill == "seeded" else _FastContent(kind, seed)
     weight_map: dict[str, str] = {}
     show = total > (256 << 20) if progress is None else progress
     bar = _progress(total, f"writing {path.name}", show)
@@ -155,7 +187,7 @@ def write_checkpoint(path, cfg: MoEConfig, seed: int = 0, kind: str = "fp8",
     hf = cfg.to_hf_config()
     if kind == "fp8":
         hf["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static"}
-    hf["fp8_reload"] = {"kind": kind, "seed": seed}
+    hf["fp8_reload"] = {"kind": kind, "seed": seed, "fill": fill}
     with open(path / "config.json", "w") as f:
         json.dump(hf, f, indent=1)
     return path

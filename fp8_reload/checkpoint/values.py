@@ -143,7 +143,12 @@ def describe_invalid(name: str, t: torch.Tensor) -> str | None:
         fmt = str(t.dtype).replace("torch.float8_", "FP8 ")
         return (f"{fmt} byte 0x{byte:02x} at index {where} encodes {what} "
                 f"({_count(hits.numel())}); weights must be finite")
-    return f"value {float(flat[i])} at index {where} ({_count(hits.numel())}); weights must be finite"
+    return (f"value {_show(float(flat[i]))} at index {where} ({_count(hits.numel())}); weights "
+            "must be finite")
+
+
+def _show(v: float) -> str:
+    return "NaN" if v != v else str(v)
 
 
 def _unravel(i: int, shape) -> tuple[int, ...]:
@@ -236,6 +241,15 @@ class ValueCheck:
         found = self.first_invalid()
         if found is not None:
             raise InvalidTensorError(f"{where(found[0])}: {found[1]}")
+
+
+def invalid_tensor_error(where: str, name: str, tensor: torch.Tensor | None,
+                         others: int = 0) -> InvalidTensorError:
+    """The error for tensor `name` (at `where`, its file), described from `tensor`'s
+    values when given; `others`: how many more tensors were found bad."""
+    what = describe_invalid(name, tensor.cpu()) if tensor is not None else None
+    more = f" ({others} more invalid tensor{'s' if others != 1 else ''})" if others else ""
+    return InvalidTensorError(f"{where}: tensor {name!r}: {what or 'NaN or infinite values'}{more}")
 
 
 def check_values(named, where: Callable[[str], str], device=None) -> None:

@@ -38,6 +38,7 @@ class RoutedRows:
     rows_per_group: int  # rows sharing one scale-factor block (R for contiguous, max_m for masked)
     align: int
     top_k: int
+    block_experts: torch.Tensor | None = None  # [R / align] expert of each row block, when known
 
     @property
     def num_pairs(self) -> int:
@@ -45,6 +46,8 @@ class RoutedRows:
 
     def block_expert(self, block_m: int) -> torch.Tensor:
         """Expert of each `block_m`-row block (-1: nothing to compute); needs align % block_m == 0."""
+        if self.block_experts is not None and block_m == self.align:
+            return self.block_experts
         if self.align % block_m:
             raise ValueError(f"block_m={block_m} does not divide the row alignment {self.align}")
         return self.row_expert.view(-1, block_m)[:, 0].contiguous()

@@ -9,9 +9,15 @@
 from .linear import FixedFp8LinearMethod, UpstreamFp8LinearMethod
 from .modes import MODES, ProcessingMode, get_mode, process_modules
 from .moe import FixedFp8MoEMethod, IdentityOnlyFp8MoEMethod, UpstreamFp8MoEMethod
-from .ops import CHUNK_BYTES, merge_input_scales_, quantize_experts_, requantize_w13_to_expert_max_
+from .ops import (
+    CHUNK_BYTES,
+    merge_input_scales_,
+    quantize_experts_,
+    reload_memory_bound,
+    requantize_w13_to_expert_max_,
+)
 
 __all__ = ["CHUNK_BYTES", "FixedFp8LinearMethod", "FixedFp8MoEMethod", "IdentityOnlyFp8MoEMethod",
            "MODES", "ProcessingMode", "UpstreamFp8LinearMethod", "UpstreamFp8MoEMethod",
            "get_mode", "merge_input_scales_", "process_modules", "quantize_experts_",
-           "requantize_w13_to_expert_max_"]
+           "reload_memory_bound", "requantize_w13_to_expert_max_"]

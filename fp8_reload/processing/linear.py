@@ -135,16 +135,25 @@ class FixedFp8LinearMethod:
         w = layer.weight.data
         return w.t() if layer.kernel_layout else w
 
-    def load_linear(self, layer, param, loaded, shard_id):
-        layer.needs_processing = True
+    def destination(self, layer, param, shard_id) -> torch.Tensor | None:
+        """Where a checkpoint tensor goes: rows of the checkpoint-layout view of the weight
+        (contiguous in its storage whatever `.data` is bound to), one scale slot, or None
+        for a bf16 weight quantized on load (staged). The loader and the streaming reload
+        both write through it."""
         if param is layer.weight:
             if param.quantize_on_load:
-                layer.staged[shard_id] = loaded  # stays in host staging memory until processed
-                return
+                return None
             start, rows = _shard_rows(layer, shard_id)
-            self.checkpoint_view(layer).narrow(0, start, rows).copy_(loaded, non_blocking=True)
+            return self.checkpoint_view(layer).narrow(0, start, rows)
+        return param.data[0 if shard_id is None else shard_id]
+
+    def load_linear(self, layer, param, loaded, shard_id):
+        layer.needs_processing = True
+        dst = self.destination(layer, param, shard_id)
+        if dst is None:
+            layer.staged[shard_id] = loaded  # stays in host staging memory until processed
         else:
-            param.data[0 if shard_id is None else shard_id].copy_(loaded, non_blocking=True)
+            dst.copy_(loaded, non_blocking=True)
 
     def process_weights_after_loading(self, layer) -> None:
         if not layer.needs_processing:

@@ -7,7 +7,7 @@ from torch.nn import Parameter
 
 from ..layers import PER_TENSOR, set_weight_attrs
 from ..quant import FP8_DTYPE, quantize_dynamic, quantize_static
-from .ops import chunks, gather_to, merge_input_scales_, quantize_experts_, requantize_w13_to_expert_max_
+from .ops import process_fp8_experts_, quantize_staged_experts_
 
 
 def _moe_param(shape, dtype, device, fill=None) -> Parameter:
@@ -119,33 +119,20 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         return torch.tensor(list(ids), dtype=torch.long)
 
     def process_weights_after_loading(self, layer) -> None:
-        experts = self._scope(layer)
         if self.fp8_checkpoint:
-            merge_input_scales_(layer.w13_input_scale.data, layer.w13_input_scale_per_expert, experts)
-            merge_input_scales_(layer.w2_input_scale.data, layer.w2_input_scale_per_expert, experts)
-            requantize_w13_to_expert_max_(layer.w13_weight.data, layer.w13_weight_scale.data,
-                                          experts, layer.intermediate_size)
+            process_fp8_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, self._scope(layer),
+                                 layer.intermediate_size,
+                                 ((layer.w13_input_scale.data, layer.w13_input_scale_per_expert),
+                                  (layer.w2_input_scale.data, layer.w2_input_scale_per_expert)))
         else:
-            self._quantize_staged(layer)
+            incomplete = sorted(s for s, pieces in layer.staged.items() if set(pieces) != {"w1", "w2", "w3"})
+            if incomplete:
+                raise RuntimeError(f"quantize-on-load: experts {incomplete} were loaded only in part")
+            quantize_staged_experts_(layer.w13_weight.data, layer.w13_weight_scale.data,
+                                     layer.w2_weight.data, layer.w2_weight_scale.data, layer.staged)
+            layer.staged.clear()
         layer.loaded_experts.clear()
         layer.weights_version += 1
-
-    def _quantize_staged(self, layer) -> None:
-        slots = sorted(layer.staged)
-        incomplete = [s for s in slots if set(layer.staged[s]) != {"w1", "w2", "w3"}]
-        if incomplete:
-            raise RuntimeError(f"quantize-on-load: experts {incomplete} were loaded only in part")
-        per_expert = 2 * layer.intermediate_size * layer.hidden_size * 4
-        for idx in chunks(torch.tensor(slots, dtype=torch.long), per_expert):
-            ids = idx.tolist()
-            dev = layer.w13_weight.device
-            w13 = gather_to(dev, [[layer.staged[s]["w1"], layer.staged[s]["w3"]] for s in ids])
-            quantize_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, idx, w13)
-            del w13
-            w2 = gather_to(dev, [[layer.staged[s]["w2"]] for s in ids])
-            quantize_experts_(layer.w2_weight.data, layer.w2_weight_scale.data, idx, w2)
-            del w2
-        layer.staged.clear()
 
 
 class IdentityOnlyFp8MoEMethod(FixedFp8MoEMethod):

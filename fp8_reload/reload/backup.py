@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 from torch import nn
@@ -42,32 +42,54 @@ class Backup:
         self.where = where
         self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
         self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.pending: list[tuple[torch.Tensor, torch.Tensor | None]] = []
+        self.pending: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = []
         self.nbytes = 0
+        self.stream = None  # the side stream the copies ran on, if any
+        self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
+        self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
 
-    def _copy(self, tensor: torch.Tensor, index: torch.Tensor | None) -> None:
-        self.pending.append((tensor, index))
+    def start(self) -> None:
+        """Run the copies `capture_backup(..., start=False)` planned."""
+        self.run(*self.planned)
 
-    def run(self, arena=None) -> None:
-        """Make the copies planned by `capture`. With `arena` (host backups of a GPU
-        model) they go into its pinned memory as async device-to-host copies, which
-        the stream orders before the commit's writes."""
+    def _copy(self, module: nn.Module, tensor: torch.Tensor, index: torch.Tensor | None) -> None:
+        self.pending.append((module, tensor, index))
+
+    def run(self, arena=None, stream=None) -> None:
+        """Make the copies planned by `capture`, in capture order. With `arena` (host
+        backups of a GPU model) they go into its pinned memory as async device-to-host
+        copies. With `stream` they run there, an event per module (`event_for`) telling
+        the writes of that module when they may start; otherwise the current stream
+        orders them before the writes."""
         sizes = [(t.numel() if i is None else i.numel() * t[0].numel()) * t.element_size()
-                 for t, i in self.pending]
+                 for _, t, i in self.pending]
         if arena is not None:
             arena.reset(sum(staging.aligned(n) for n in sizes))
-        for (tensor, index), n in zip(self.pending, sizes):
-            src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
-            if arena is not None:
-                copy = staging.typed_slice(arena, src.dtype, src.shape)
-                copy.copy_(src, non_blocking=True)
-            elif self.where == "host":
-                copy = src.to("cpu", copy=index is None)
-            else:
-                copy = src.clone() if index is None else src
-            self.copies.append((tensor, index, copy))
-            self.nbytes += n
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            self.stream = stream
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for k, ((module, tensor, index), n) in enumerate(zip(self.pending, sizes)):
+                src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
+                if arena is not None:
+                    copy = staging.typed_slice(arena, src.dtype, src.shape)
+                    copy.copy_(src, non_blocking=True)
+                elif self.where == "host":
+                    copy = src.to("cpu", copy=index is None)
+                else:
+                    copy = src.clone() if index is None else src
+                self.copies.append((tensor, index, copy))
+                self.nbytes += n
+                last = k + 1 == len(self.pending) or self.pending[k + 1][0] is not module
+                if stream is not None and last:
+                    self.events[id(module)] = event = torch.cuda.Event()
+                    event.record(stream)
         self.pending = []
+
+    def event_for(self, module: nn.Module):
+        """The event after which `module` may be overwritten; None when the copies were
+        ordered on the current stream (or not on a GPU) or `module` is not backed up."""
+        return self.events.get(id(module))
 
     def capture(self, module: nn.Module, slots: list[int] | None) -> None:
         params = dict(module._parameters)
@@ -85,13 +107,15 @@ class Backup:
             if p is None:
                 continue
             big = isinstance(module, FusedMoE) and name in ("w13_weight", "w2_weight")
-            self._copy(p.data, index if big else None)
+            self._copy(module, p.data, index if big else None)
         for buf in buffers.values():
             if buf is not None:
-                self._copy(buf, None)
+                self._copy(module, buf, None)
 
     def restore(self) -> None:
         """Objects and small state first (cannot fail), then the bytes."""
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
         for module, params, buffers, datas, state in self.modules:
             for k, p in params.items():
                 module._parameters[k] = p
@@ -109,8 +133,23 @@ class Backup:
                     index_copy_(tensor, 0, index.to(tensor.device), host.to(tensor.device))
 
 
-def capture_backup(model, names: list[str], process_all: bool,
-                   where: str = "host") -> Backup:
+_STREAMS: dict = {}
+
+
+def backup_stream(device: torch.device):
+    """The side stream backups of a reload that streams its writes run on (one per device)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
+                   order: list[str] | None = None, stream=None, start: bool = True) -> Backup:
+    """Back up what a reload of `names` may change. `order` (module names) is the order
+    the commit writes modules in, so that with `stream` the first backups finish first.
+    With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
+    streaming reload starts them once forwards have drained, so that waiting for the
+    forwards does not also wait for the backup)."""
     slots: dict[str, set[int]] = {}
     modules = dict(model.named_modules())
     for n in names:
@@ -122,13 +161,17 @@ def capture_backup(model, names: list[str], process_all: bool,
     targets = set(slots)
     if process_all:
         targets |= {name for name, _ in model.quantized_modules()}
-    for name in sorted(targets):
+    rank = {n: k for k, n in enumerate(order or [])}
+    for name in sorted(targets, key=lambda n: (rank.get(n, len(rank)), n)):
         module = modules[name]
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))
     gpu_host = where == "host" and on_cuda(model)
-    backup.run(staging.arena(model, "backup") if gpu_host else None)
+    backup.planned = (staging.arena(model, "backup") if gpu_host else None,
+                      stream if on_cuda(model) else None)
+    if start:
+        backup.start()
     return backup
 
 

@@ -14,7 +14,8 @@ from contextlib import closing, contextmanager
 
 import torch
 
-from ..checkpoint import Checkpoint, files, staging
+from ..checkpoint import INDEX_FILE, Checkpoint, files, staging
+from ..checkpoint.registered import file_stamp
 from ..checkpoint.values import ValueCheck
 from ..device import model_device, on_cuda
 from ..errors import (
@@ -26,20 +27,35 @@ from ..errors import (
 from .filters import NameFilter, expected_layout, units
 
 
-def open_checkpoint(model, path) -> Checkpoint:
-    """The checkpoint at `path`, reusing the config, index and shard headers parsed
-    by the previous reload from the same path while they are unchanged, byte for
-    byte (`Checkpoint.unchanged`): EPLB reloads one checkpoint many times, and
-    parsing its JSON is most of a small reload's planning. The comparison is by
-    content, not by file stamps, so neither a file rewritten within one timestamp
-    tick nor one replaced while it was being parsed can leave a stale parse."""
-    cached = model.__dict__.get("_checkpoint_cache")
-    if cached is not None and cached[0] == _key(path) and cached[2].unchanged():
-        return cached[2]
-    model.__dict__.pop("_checkpoint_cache", None)
+def checkpoint_stamp(ckpt: Checkpoint) -> tuple:
+    """The stamps of every file of `ckpt`, compared before and after a streaming commit:
+    a file changed meanwhile may have been read torn (short of a writer that restores
+    mtime and ctime, or an in-place rewrite within the same timestamp tick)."""
+    names = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
+    return tuple(file_stamp(ckpt.path / f) for f in names)
+
+
+def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
+    """The checkpoint at `path`, reusing the config, index and shard headers parsed by
+    an earlier reload from the same path while they are unchanged
+    (`Checkpoint.unchanged`: the stamps taken on the files that were read, before
+    reading them, and the bytes of files read while still fresh): EPLB reloads one
+    checkpoint many times, and parsing its JSON is most of a small reload's planning.
+    Neither a file replaced while it was being parsed nor one rewritten within one
+    timestamp tick can leave a stale parse. The last `keep` checkpoints are kept (with
+    what hangs on them: checked values, the full-reload plan), so that alternating
+    between two (RL weight sync's two buffers) keeps both."""
+    key = _key(path)
+    cache = model.__dict__.setdefault("_checkpoint_cache", {})
+    cached = cache.pop(key, None)
+    if cached is not None and cached[1].unchanged():
+        cache[key] = cached  # most recent last
+        return cached[1]
     ckpt = Checkpoint(path)
-    # [1] records what the parse was made from: the exact bytes of config.json and the index.
-    model.__dict__["_checkpoint_cache"] = (_key(path), dict(ckpt.sources), ckpt)
+    # [0] records what the parse was made from: config.json's and the index's bytes and stamps.
+    cache[key] = (dict(ckpt.sources), ckpt)
+    while len(cache) > keep:
+        cache.pop(next(iter(cache)))
     return ckpt
 
 

@@ -26,6 +26,7 @@ transaction costs) and per-phase `seconds`.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -35,15 +36,27 @@ from pathlib import Path
 import torch
 
 from .. import trace
-from ..checkpoint import Checkpoint
-from ..device import synchronize
-from ..errors import CommitError, ReloadError, RollbackError
+from ..checkpoint import Checkpoint, staging
+from ..device import model_device, on_cuda, resolve_device, synchronize
+from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
 from ..processing import get_mode, process_modules
-from .backup import BACKUP_PLACES, capture_backup, roll_back
+from ..processing.ops import on_triton
+from .backup import BACKUP_PLACES, backup_stream, capture_backup, roll_back
 from .filters import NameFilter, experts_by_layer
-from .plan import check_compatible, nothing_written, open_checkpoint, plan, stage
+from .plan import check_compatible, checkpoint_stamp, nothing_written, open_checkpoint, plan, stage
+from .stream import commit, prepare
+from .targets import plan_targets
+
+# "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
+# tensor read to host memory first, then the modules' loaders (the engine before; kept to
+# compare against, and what the upstream mode's scan-all reads use)
+ENGINE = os.environ.get("FP8_RELOAD_ENGINE", "stream")
+
+
+def on_triton_device(model) -> bool:
+    return on_cuda(model) and on_triton(next(model.parameters()))
 
 
 @dataclass
@@ -159,16 +172,38 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
                                 "(weight_name_filter=None) can repair the model")
         stats: dict = {}
+        streaming = ENGINE == "stream" and not scan_all
         with nothing_written(path):
             with timer.phase("plan"):
                 ckpt = open_checkpoint(model, path)
+                stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
-                names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+                # a full reload's plan depends only on the model and these files: kept with
+                # the parsed checkpoint (the files unchanged), as EPLB and RL reload it again
+                key = id(model) if streaming and weight_name_filter is None else None
+                if key is not None and key in ckpt.plans:
+                    names, targets = ckpt.plans[key]
+                else:
+                    names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+                    if streaming:
+                        targets = plan_targets(model, [ckpt.info(n) for n in names],
+                                               quantize_on_device=on_triton_device(model))
+                    if key is not None:
+                        ckpt.plans[key] = (names, targets)
             with timer.phase("read"):
-                staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
-            report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+                if streaming:  # scales and loader-bound tensors; the rest streams in commit
+                    into = staging.arena(model, "staging") if on_cuda(model) else None
+                    prepared = prepare(ckpt, targets, stats, into=into)
+                    report.staged_bytes = prepared.staged_bytes
+                else:
+                    staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
+                    report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
             with timer.phase("backup"):
-                saved = capture_backup(model, [n for n, _ in staged], process_all, backup)
+                order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
+                saved = capture_backup(model, names, process_all, backup, order=order,
+                                       stream=backup_stream(model_device(model))
+                                       if streaming and on_cuda(model) else None,
+                                       start=not streaming)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:
@@ -181,11 +216,23 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
                     progress.doing = "waiting for running forwards"
                     synchronize(model)
+                if streaming:  # its copies run beside the commit's (see capture_backup)
+                    with timer.phase("backup"):
+                        progress.doing = "backing up"
+                        saved.start()
+                    report.backup_bytes = saved.nbytes
                 with timer.phase("load"):
                     touched = None
                     with torch.no_grad():
-                        touched = model.load_weights(progress.loading(staged))
+                        if streaming:
+                            progress.doing = "streaming weights into place"
+                            touched = commit(model, prepared, stats, wait_for=saved.event_for)
+                        else:
+                            touched = model.load_weights(progress.loading(staged))
                     synchronize(model)
+                    if streaming and checkpoint_stamp(ckpt) != stamp:
+                        raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
+                                                     "read; the reload is rolled back")
                 with timer.phase("process"):
                     if process_all:
                         todo = list(model.quantized_modules())
@@ -201,6 +248,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     roll_back(model, saved, fault, ckpt, progress.doing)
                 if not isinstance(fault, Exception):
                     raise  # KeyboardInterrupt / SystemExit: model restored, propagate as is
+                if isinstance(fault, ReloadError):  # a bad value or a changed file: restored
+                    raise
                 err = CommitError(f"reload from {ckpt.path} failed while {progress.doing} and was "
                                   f"rolled back, the model is unchanged: {type(fault).__name__}: {fault}")
                 err.report = report
@@ -208,10 +257,10 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             finally:
                 clear_kernel_caches(model)
     model.weights_undefined = None
-    report.tensors_loaded = len(staged)
-    report.bytes_read = stats["bytes_read"]
-    report.files_opened = stats["files_opened"]
-    report.experts_reloaded = experts_by_layer(n for n, _ in staged)
+    report.tensors_loaded = len(names) if streaming else len(staged)
+    report.bytes_read = stats.get("bytes_read", 0)
+    report.files_opened = stats.get("files_opened", 0)
+    report.experts_reloaded = experts_by_layer(names if streaming else (n for n, _ in staged))
     report.seconds["total"] = time.perf_counter() - t0
     model.checkpoint_path = ckpt.path
     return report
@@ -219,7 +268,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
 
 @trace.range("fp8_reload/load_model")
 def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
-    """Build the model a checkpoint describes on `device` and load it (a fresh load)."""
+    """Build the model a checkpoint describes on `device` and load it (a fresh load).
+
+    A device this machine lacks raises `DeviceUnavailableError` before the
+    checkpoint is opened."""
+    device = resolve_device(device)
     mode = get_mode(processing)
     ckpt = Checkpoint(path)
     try:

@@ -7,10 +7,21 @@
 """
 
 from ..device import synchronize
-from .bench import capture_graph, cuda_time_ms, flush_l2, interleaved_ms, kernel_time_ms, tflops
+from .bench import (
+                    H200_FP8_FLOP_PER_S,
+                    H200_HBM_BYTES_PER_S,
+                    capture_graph,
+                    cuda_time_ms,
+                    flush_l2,
+                    interleaved_ms,
+                    kernel_time_ms,
+                    roofline_ms,
+                    tflops,
+)
 from .numeric import assert_bitwise_equal, calc_diff, count_bytes, first_difference
-from .workloads import moe_flop, routed_tokens, synthetic_moe_layer, v2_lite_moe
+from .workloads import moe_bytes, moe_flop, routed_tokens, synthetic_moe_layer, v2_lite_moe
 
-__all__ = ["assert_bitwise_equal", "calc_diff", "capture_graph", "count_bytes", "cuda_time_ms",
-           "first_difference", "flush_l2", "interleaved_ms", "kernel_time_ms", "moe_flop",
+__all__ = ["H200_FP8_FLOP_PER_S", "H200_HBM_BYTES_PER_S", "assert_bitwise_equal", "calc_diff",
+           "capture_graph", "count_bytes", "cuda_time_ms", "first_difference", "flush_l2",
+           "interleaved_ms", "kernel_time_ms", "moe_bytes", "moe_flop", "roofline_ms",
            "routed_tokens", "synchronize", "synthetic_moe_layer", "tflops", "v2_lite_moe"]

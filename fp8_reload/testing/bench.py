@@ -130,6 +130,17 @@ def kernel_time_ms(fn: Callable[[], object], iters: int = 10,
     return total_us / iters / 1e3, count / iters
 
 
+# H200 SXM datasheet limits: HBM3e bandwidth and dense FP8 tensor-core throughput. The
+# roofline of a kernel is the larger of its bytes and its FLOPs over these.
+H200_HBM_BYTES_PER_S = 4.8e12
+H200_FP8_FLOP_PER_S = 1979e12
+
+
+def roofline_ms(nbytes: float, flop: float) -> float:
+    """The least time the H200 needs to move `nbytes` and compute `flop` (ms)."""
+    return 1e3 * max(nbytes / H200_HBM_BYTES_PER_S, flop / H200_FP8_FLOP_PER_S)
+
+
 def tflops(flop: float, ms: float) -> float:
     """flop / time in TFLOP/s, rounded to 1 decimal (3 significant digits below 10)."""
     if not ms > 0:

@@ -31,6 +31,14 @@ def moe_flop(cfg: MoEConfig, tokens: int) -> float:
                           + cfg.hidden_size * cfg.moe_intermediate_size)
 
 
+def moe_bytes(cfg: MoEConfig, topk_ids: torch.Tensor) -> float:
+    """Bytes one MoE layer's forward must move at least: the FP8 weights of every expert
+    a token is routed to (each read once), the bf16 tokens in and out."""
+    touched = torch.unique(topk_ids).numel()
+    weights = touched * 3 * cfg.hidden_size * cfg.moe_intermediate_size  # w13 + w2, 1 byte each
+    return float(weights + 2 * 2 * topk_ids.shape[0] * cfg.hidden_size)
+
+
 def synthetic_moe_layer(cfg: MoEConfig, device="cuda", seed: int = 0, kind: str = "fp8"):
     """A FusedMoE built the way a checkpoint load builds it, with the fixed processing.
 

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from ..checkpoint import write_checkpoint
 from ..config import MoEConfig
+from .usage import UsageError
 
 
 def command(args) -> int:
-    overrides = {"num_layers": args.num_layers} if args.num_layers else {}
-    cfg = MoEConfig.preset(args.preset, **overrides)
-    path = write_checkpoint(args.out, cfg, seed=args.seed, kind=args.kind, progress=True)
+    """Progress is tqdm's bar on stderr; a directory that cannot be written is exit 2."""
+    cfg = MoEConfig.preset(args.preset, num_layers=args.num_layers)
+    try:
+        path = write_checkpoint(args.out, cfg, seed=args.seed, kind=args.kind, progress=True)
+    except OSError as e:
+        raise UsageError(f"cannot write {args.out}: {e.strerror or e}") from None
     print(f"wrote {args.kind} checkpoint of preset {args.preset!r} to {path}")
     return 0

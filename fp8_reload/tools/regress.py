@@ -29,8 +29,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from .usage import UsageError, progress
 
 DEFAULT_THRESHOLD = 0.10
 
@@ -302,14 +305,24 @@ def regress(base: str, head: str, repo=".", bench: list[str] | None = None,
             threshold: float = DEFAULT_THRESHOLD, quick: bool = False,
             launch_method: str = "spawn", machine: str | None = None,
             extra: list[str] | None = None, keep: Path | None = None, rounds: int = 3,
-            log=print) -> int:
+            log=print, progress=progress) -> int:
     """Run the suite against BASE and HEAD, print the comparison; 1 on a regression.
 
     The runs come in `rounds` pairs in ABBA order (BASE HEAD, HEAD BASE, ...),
     each pair compared on its own (`combine_rounds`): load that comes and goes,
-    or an advantage of running first, cannot fake or hide a slowdown.
+    or an advantage of running first, cannot fake or hide a slowdown. `progress`
+    gets a line before and after each side of each round (a side takes about half a
+    minute on a CPU box); `log` the comparison.
     """
-    repo = Path(_git(Path(repo), "rev-parse", "--show-toplevel"))
+    try:
+        repo = Path(_git(Path(repo), "rev-parse", "--show-toplevel"))
+    except subprocess.CalledProcessError:
+        raise UsageError(f"{Path(repo).resolve()} is not inside a git repository") from None
+    for commit in (base, head):
+        try:
+            _git(repo, "rev-parse", "--verify", "--quiet", f"{commit}^{{commit}}")
+        except subprocess.CalledProcessError:
+            raise UsageError(f"{commit!r} is not a commit of {repo}") from None
     machine = _machine_name(machine)
     ensure_machine(machine)
     work = Path(keep) if keep else Path(tempfile.mkdtemp(prefix="fp8-reload-regress-"))
@@ -319,7 +332,7 @@ def regress(base: str, head: str, repo=".", bench: list[str] | None = None,
         sides = []
         for label, commit in (("base", base), ("head", head)):
             sha, src = checkout(repo, commit, work)
-            log(f"[regress] {label} {commit} = {sha[:12]}")
+            progress(f"[regress] {label} {commit} = {sha[:12]}")
             sides.append((sha, src, label))
         per_round = []
         for r in range(rounds):
@@ -329,8 +342,12 @@ def regress(base: str, head: str, repo=".", bench: list[str] | None = None,
             for sha, src, label in (sides if r % 2 == 0 else sides[::-1]):
                 out = work / f"round{r}" / label
                 out.mkdir(parents=True, exist_ok=True)
+                t0 = time.perf_counter()
+                progress(f"[regress] round {r + 1}/{rounds}: {label} ({sha[:12]}) running")
                 files[label] = asv_run(repo, sha, src, out, bench or [], quick, launch_method,
-                                       machine, (extra or []) + ["-a", "rounds=1"], log=log)
+                                       machine, (extra or []) + ["-a", "rounds=1"], log=progress)
+                progress(f"[regress] round {r + 1}/{rounds}: {label} done in "
+                         f"{time.perf_counter() - t0:.0f} s")
             per_round.append(compare(files["base"], files["head"], threshold))
         changes = combine_rounds(per_round) if rounds > 1 else per_round[0]
         log(format_changes(changes, threshold))
@@ -345,7 +362,13 @@ def regress(base: str, head: str, repo=".", bench: list[str] | None = None,
 
 def regress_files(base_file, head_file, threshold: float = DEFAULT_THRESHOLD, show_all=False,
                   log=print) -> int:
-    changes = compare(base_file, head_file, threshold)
+    for f in (base_file, head_file):
+        if not Path(f).is_file():
+            raise UsageError(f"{f}: no such asv result file")
+    try:
+        changes = compare(base_file, head_file, threshold)
+    except (ValueError, KeyError, TypeError) as e:
+        raise UsageError(f"{base_file}, {head_file}: not asv result files ({e})") from None
     log(format_changes(changes, threshold, show_all))
     return 1 if any(c.regression for c in changes) else 0
 

@@ -4,21 +4,8 @@ Scales are read as ``scale_ptr + expert``: the caller hands a contiguous ``[E]``
 (what `scales.collapse_w13_scale` makes of the fixed ``[E, 2]`` layout).
 """
 
+from .fp8 import to_fp8
 from .runtime import tl, triton
-
-
-@triton.jit
-def _to_fp8(x, EXACT: tl.constexpr):
-    """Saturate to +-448 and round to float8 e4m3 (round to nearest even)."""
-    x = tl.minimum(tl.maximum(x, -448.0), 448.0)
-    if EXACT:
-        # Add and subtract 1.5 * 2^(ulp + 23): float32 addition rounds x to a
-        # multiple of e4m3's spacing 2^ulp, ulp = max(exponent, -6) - 3.
-        biased = (x.to(tl.int32, bitcast=True) >> 23) & 0xFF
-        biased = tl.maximum(biased, 121)
-        magic = (((biased + 20) << 23) | 0x400000).to(tl.float32, bitcast=True)
-        x = (x + magic) - magic
-    return x.to(tl.float8e4nv)
 
 
 @triton.jit
@@ -26,19 +13,22 @@ def quant_tensor_kernel(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, EXACT: 
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(q_ptr + offs, _to_fp8(x / tl.load(scale_ptr), EXACT), mask=mask)
+    tl.store(q_ptr + offs, to_fp8(x / tl.load(scale_ptr), EXACT), mask=mask)
 
 
 @triton.jit
 def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_expert_ptr,
                    out_ptr, a2_ptr, K: tl.constexpr, N, stride_xm, stride_we, stride_wn, stride_om,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, STATIC_A2: tl.constexpr, EXACT: tl.constexpr):
+                   BLOCK_K: tl.constexpr, STATIC_A2: tl.constexpr, QUANT_A: tl.constexpr,
+                   EXACT: tl.constexpr):
     """act[row, n] = silu(x W_gate^T) * (x W_up^T) for one expert's rows.
 
-    w is ``[E, 2N, K]`` (gate rows, then up rows). With a static second-GEMM
-    scale the result is quantized here; otherwise it is stored in float32 and
-    its absolute max is folded into ``a2_ptr``.
+    w is ``[E, 2N, K]`` (gate rows, then up rows). With QUANT_A, x is the bf16
+    input, quantized here with the static scale as its tiles load (no separate
+    pass over x); otherwise x is already FP8. With a static second-GEMM scale the
+    result is quantized here; otherwise it is stored in float32 and its absolute
+    max is folded into ``a2_ptr``.
     """
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -58,9 +48,12 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
     u_ptrs = g_ptrs + N * stride_wn
     acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_scale = tl.load(a_scale_ptr)
     for k0 in range(0, K, BLOCK_K):
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
+        if QUANT_A:
+            a = to_fp8(a.to(tl.float32) / a_scale, EXACT)
         wg = tl.load(g_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         wu = tl.load(u_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         # promote to the float32 accumulator every BLOCK_K products, as DeepGEMM does
@@ -70,13 +63,13 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
         a_ptrs += BLOCK_K
         g_ptrs += BLOCK_K
         u_ptrs += BLOCK_K
-    s = tl.load(a_scale_ptr) * tl.load(w_scale_ptr + expert)
+    s = a_scale * tl.load(w_scale_ptr + expert)
     g = acc_g * s
     act = g / (1.0 + tl.exp(-g)) * (acc_u * s)
     o_ptrs = out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :]
     o_mask = valid[:, None] & col_ok[None, :]
     if STATIC_A2:
-        tl.store(o_ptrs, _to_fp8(act / tl.load(a2_ptr), EXACT), mask=o_mask)
+        tl.store(o_ptrs, to_fp8(act / tl.load(a2_ptr), EXACT), mask=o_mask)
     else:
         tl.store(o_ptrs, act, mask=o_mask)
         amax = tl.max(tl.max(tl.where(o_mask, tl.abs(act), 0.0), axis=1), axis=0)
@@ -112,7 +105,7 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, a2_ptr, row_pair_ptr, block_exp
         k_ok = ks < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & k_ok[None, :], other=0.0)
         if not STATIC_A2:
-            a = _to_fp8(a / a2, EXACT)
+            a = to_fp8(a / a2, EXACT)
         b = tl.load(b_ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=BLOCK_K)
         a_ptrs += BLOCK_K
@@ -148,7 +141,7 @@ def group_quant_kernel(src_ptr, pos_ptr, q_ptr, s_ptr, num_pairs, K, stride_src,
         tok = (pair // TOP_K).to(tl.int64)[:, None, None]
         x = tl.load(src_ptr + tok * stride_src + cols, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), axis=2) / 448.0, 1e-12)
-    tl.store(q_ptr + row * stride_q + cols, _to_fp8(x / scale[:, :, None], EXACT), mask=mask)
+    tl.store(q_ptr + row * stride_q + cols, to_fp8(x / scale[:, :, None], EXACT), mask=mask)
     grp = row1 // rows_per_group
     r = row1 - grp * rows_per_group
     s_ptrs = s_ptr + (grp * s_stride_group + r)[:, None] + g1[None, :] * s_stride_k

@@ -12,11 +12,12 @@ from ...config import MoEConfig
 from ...device import synchronize
 from ...kernels import BACKENDS, MOE_LAYER_BOUND, moe_forward_torch, run_moe
 from ...kernels.scales import build_block_scales
-from ...testing.bench import capture_graph, cuda_time_ms, kernel_time_ms, tflops
+from ...testing.bench import capture_graph, cuda_time_ms, kernel_time_ms, roofline_ms, tflops
 from ...testing.numeric import calc_diff
 from ...testing.workloads import (
     gemm_operands,
     gemm_reference_diff,
+    moe_bytes,
     moe_flop,
     routed_tokens,
     synthetic_moe_layer,
@@ -96,7 +97,8 @@ class Bench:
         _, arg, tokens, _preset = spec
         layer = self.layer()
         x, w, ids = routed_tokens(self.cfg, tokens, self.device)
-        facts = {"flop": moe_flop(self.cfg, tokens), "inputs": (layer, x, w, ids)}
+        facts = {"flop": moe_flop(self.cfg, tokens), "bytes": moe_bytes(self.cfg, ids),
+                 "inputs": (layer, x, w, ids)}
         if spec[0] == "forward":
             fwd = self.forward_fn(arg)
             return (lambda: fwd(layer, x, w, ids)), facts
@@ -146,6 +148,10 @@ class Bench:
                            tflops=tflops(facts["flop"], ms))
                 if case.table == "forward":
                     row["graph_ms"] = self._graph_ms(case.spec[1], fn)
+                    best = min(v for v in (ms, row["graph_ms"]) if isinstance(v, float))
+                    limit = roofline_ms(facts["bytes"], facts["flop"])
+                    row.update(gb_s=round(facts["bytes"] / best / 1e6, 1), roofline_ms=round(limit, 4),
+                               of_roofline=f"{limit / best:.0%}")
                 layer, x, w, ids = facts["inputs"]
                 diff = calc_diff(out, moe_forward_torch(layer, x, w, ids, quantize_activations=False))
                 row["calc_diff"] = f"{diff:.2e}"

@@ -26,7 +26,11 @@ NOTES = {
                 "`kernel_ms`: sum of GPU kernel times per forward; `kernels`: launches per forward; "
                 "`graph_ms`: one replay of the forward captured in a CUDA graph. TFLOPS (from `ms`) count "
                 "routed rows only (6 x tokens x top_k x hidden x inter). `calc_diff` against the "
-                f"float32 reference of the same FP8 weights (bound {MOE_LAYER_BOUND:g})."),
+                f"float32 reference of the same FP8 weights (bound {MOE_LAYER_BOUND:g}). Roofline: "
+                "`gb_s` is the bytes a forward must move (FP8 weights of every expert a token is routed "
+                "to, bf16 tokens in and out) over the faster of `ms` and `graph_ms`; `roofline_ms` the "
+                "least time the H200's datasheet limits allow (4.8 TB/s HBM, 1979 dense FP8 TFLOPS) "
+                "and `of_roofline` how close the forward comes to it."),
 }
 
 

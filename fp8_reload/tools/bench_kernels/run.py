@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from ...config import MoEConfig
-from ...kernels.registry import deep_gemm_unavailable
+from ...kernels.registry import BACKEND_NAMES, deep_gemm_unavailable
 from ...testing.bench import interleaved_ms, tflops
 from ...testing.workloads import moe_flop
+from ..usage import UsageError
 from .cases import (
     FORWARD_BACKENDS,
     FORWARD_TOKENS,
@@ -135,8 +136,7 @@ def main(out_dir, tokens=FORWARD_TOKENS, backends=FORWARD_BACKENDS, gemm=True, i
          jit_procs=0, jit_only=False, jit_extra=()) -> int:
     """`jit_extra`: ("preset", tokens) forwards to compile as well (e.g. the GPU tests' shapes)."""
     if not torch.cuda.is_available():
-        print("bench-kernels needs a CUDA GPU (none visible to torch)", file=sys.stderr)
-        return 2
+        raise UsageError("bench-kernels needs a CUDA GPU (none visible to torch)")
     cases = all_cases(tokens, backends, gemm)
     if jit_only:
         extra = [c for preset, t in jit_extra
@@ -154,11 +154,31 @@ def main(out_dir, tokens=FORWARD_TOKENS, backends=FORWARD_BACKENDS, gemm=True, i
     return 0 if ok else 1
 
 
+def _ints(option: str, text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(t) for t in text.split(","))
+    except ValueError:
+        raise UsageError(f"{option} {text}: expected comma-separated whole numbers") from None
+    if any(v < 1 for v in values):
+        raise UsageError(f"{option} {text}: token counts must be at least 1")
+    return values
+
+
 def command(args) -> int:
-    """`fp8-reload bench-kernels`."""
-    tokens = tuple(int(t) for t in args.tokens.split(","))
-    backends = tuple(args.backends.split(","))
-    extra = [(e.split(":")[0], int(e.split(":")[1])) for e in args.jit_extra]
+    """`fp8-reload bench-kernels`; options are checked before anything is compiled."""
+    tokens = _ints("--tokens", args.tokens)
+    backends = tuple(b for b in args.backend.split(",") if b)
+    unknown = [b for b in backends if b not in BACKEND_NAMES]
+    if unknown or not backends:
+        raise UsageError(f"--backend {args.backend}: unknown MoE backend "
+                         f"{(unknown or [''])[0]!r}; choose from {', '.join(BACKEND_NAMES)}")
+    extra = []
+    for e in args.jit_extra:
+        preset, _, t = e.partition(":")
+        if preset not in MoEConfig.PRESETS:
+            raise UsageError(f"--jit-extra {e}: unknown preset {preset!r}; choose from "
+                             f"{', '.join(MoEConfig.PRESETS)}")
+        extra.append((preset, _ints("--jit-extra", t)[0]))
     return main(args.out, tokens=tokens, backends=backends, gemm=not args.no_gemm,
                 iters=args.iters, jit_procs=args.jit_procs, jit_only=args.jit_only,
                 jit_extra=extra)

@@ -2,23 +2,17 @@
 
 from __future__ import annotations
 
-import sys
-
+from ..usage import progress
 from .report import format_report, write_json
-from .result import GateError
 from .run import run_gate
 
 
 def command(args) -> int:
-    """0: every check passed; 1: some check failed; 2: the gate cannot run as asked."""
-    try:
-        result = run_gate(preset=args.preset, processing=args.processing, backends=args.backend,
-                          device=args.device, bounds=args.bounds, kinds=args.kind,
-                          num_layers=args.num_layers, workdir=args.workdir,
-                          log=lambda s: print(s, file=sys.stderr, flush=True))
-    except GateError as e:
-        print(f"fp8-reload gate: error: {e}", file=sys.stderr)
-        return 2
+    """0: every check passed; 1: some check failed; 2 (`GateError`, turned into one line by
+    the command line): the gate cannot run as asked."""
+    result = run_gate(preset=args.preset, processing=args.processing, backends=args.backend,
+                      device=args.device, bounds=args.bounds, kinds=args.kind,
+                      num_layers=args.num_layers, workdir=args.workdir, log=progress)
     print(format_report(result))
     if args.json:
         write_json(result, args.json)

@@ -6,12 +6,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from ..usage import UsageError
+
 CHECKS = ("reload", "fresh.state", "fresh.forward", "ref.model", "ref.moe", "identity",
           "untouched")
 
 
-class GateError(Exception):
-    """The gate cannot run as asked (unknown backend, bad bounds file, no CUDA)."""
+class GateError(UsageError):
+    """The gate cannot run as asked (unknown backend, bad bounds file, no CUDA): exit 2."""
 
 
 @dataclass

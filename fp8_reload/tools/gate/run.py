@@ -15,8 +15,8 @@ import torch
 
 from ...checkpoint import mix_checkpoints, write_checkpoint
 from ...config import MoEConfig
-from ...device import default_device
-from ...errors import BackendUnavailable, ReloadError
+from ...device import resolve_device
+from ...errors import BackendUnavailable, DeviceUnavailableError, ReloadError
 from ...kernels import available_backends, run_moe
 from ...kernels.bounds import KINDS, Bounds, BoundsError, load_bounds
 from ...layers import FP8MoEModel, MoEBlock
@@ -265,9 +265,10 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
     t_start = time.perf_counter()
     if processing not in MODES:
         raise GateError(f"unknown processing {processing!r}; choose one of {', '.join(MODES)}")
-    device = device or default_device()
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise GateError("--device cuda asked for, but CUDA is not available here")
+    try:
+        device = resolve_device(device)
+    except DeviceUnavailableError as e:
+        raise GateError(str(e)) from None
     kinds = [k for part in ([kinds] if isinstance(kinds, str) else kinds) for k in part.split(",") if k]
     for k in kinds:
         if k not in KINDS:
@@ -281,7 +282,7 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
                 bounds.get(name, kind)  # fail before any work if an entry is missing
     except BoundsError as e:
         raise GateError(str(e)) from None
-    cfg = MoEConfig.preset(preset, **({"num_layers": num_layers} if num_layers else {}))
+    cfg = MoEConfig.preset(preset, num_layers=num_layers)
     script = default_script(cfg)
 
     tmp = tempfile.TemporaryDirectory(prefix="fp8-reload-gate-") if workdir is None else None

@@ -5,8 +5,11 @@
     nsys      Nsight Systems commands and its SQLite export
     analyze   nesting, attribution to the innermost range, the summary tables
     overhead  what the ranges cost with no tool attached
-    options   its command-line options (light: the CLI imports them for --help)
+    options   the scenario, range and tool names (light: the command line imports them)
     command   the command itself, and the worker process nsys records
+
+This package imports none of them: the command line imports `options` for its
+help, which must not pull in torch or pandas. Import the module you need.
 
 The summary, per scenario and range: count, total (inclusive) and self time,
 share of the scenario, payload total (bytes, tokens, experts: see
@@ -15,16 +18,3 @@ memcpys (attributed through the launching API call, on the range's thread), or
 on a CPU-only trace the top-level aten ops. A second table lists that work per
 innermost range.
 """
-
-from .analyze import analyze, innermost, load_events, nest, write_summary
-from .command import command, worker_command
-from .events import Events, Range, Work, attach_payloads, load_chrome_trace, short_kernel_name
-from .nsys import load_nsys_sqlite, nsys_commands
-from .options import SCENARIOS, add_arguments
-from .overhead import measure_overhead
-from .workload import Workload
-
-__all__ = ["Events", "Range", "SCENARIOS", "Work", "Workload", "add_arguments", "analyze",
-           "attach_payloads", "innermost", "load_chrome_trace", "load_events", "load_nsys_sqlite",
-           "command", "measure_overhead", "nest", "nsys_commands", "short_kernel_name",
-           "worker_command", "write_summary"]

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ... import trace
+from ..usage import progress
 from .events import Events, Range, Work
 from .options import PROFILE_RANGE
 
@@ -142,7 +143,7 @@ def profile_nsys(nsys: str, worker: Sequence[str], out: Path) -> Path:
     """Record the `worker` command under nsys, export to SQLite; returns the SQLite path."""
     cmds = nsys_commands(nsys, out, worker)
     for step in ("profile", "export"):
-        print(f"[profile] $ {' '.join(cmds[step])}", flush=True)
+        progress(f"[profile] $ {' '.join(cmds[step])}")
         res = subprocess.run(cmds[step])
         if res.returncode != 0:
             raise NsysFailed(f"nsys {step} failed (exit {res.returncode})")
@@ -151,7 +152,8 @@ def profile_nsys(nsys: str, worker: Sequence[str], out: Path) -> Path:
         raise NsysFailed(f"nsys export wrote no {sqlite}")
     res = subprocess.run(cmds["stats"], capture_output=True, text=True)  # optional extras
     if res.returncode != 0:
-        print(f"[profile] nsys stats failed (not needed for the summary): {res.stderr.strip()[:300]}")
+        progress(f"[profile] nsys stats failed (not needed for the summary): "
+                 f"{res.stderr.strip()[:300]}")
     return sqlite
 
 

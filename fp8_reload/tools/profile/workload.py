@@ -11,10 +11,11 @@ import torch
 from ... import trace
 from ...checkpoint import write_checkpoint
 from ...config import MoEConfig
-from ...device import default_device, synchronize
+from ...device import resolve_device, synchronize
 from ...errors import BackendUnavailable
 from ...kernels import BACKENDS, available_backends
 from ...reload import eplb_filter, load_model, update_weights_from_disk
+from ..usage import progress
 from .options import PROFILE_RANGE, SCENARIO_PREFIX, SCENARIOS
 
 
@@ -37,18 +38,13 @@ class Workload:
     filter: object = field(default=None, repr=False)
 
     def resolve(self, workdir: Path) -> Workload:
-        """Fill in the device and write the checkpoint (once) if none was given."""
-        if self.device is None:
-            self.device = default_device()
-        if str(self.device).startswith("cuda") and not torch.cuda.is_available():
-            raise SystemExit(f"device {self.device!r} requested but torch sees no CUDA device here")
+        """Check the device (None: the default) and write the checkpoint (once) if none was given."""
+        self.device = resolve_device(self.device)
         if self.checkpoint is None:
-            overrides = {"num_layers": self.num_layers} if self.num_layers else {}
-            cfg = MoEConfig.preset(self.preset, **overrides)
+            cfg = MoEConfig.preset(self.preset, num_layers=self.num_layers)
             path = Path(workdir) / f"ckpt-{cfg.name}-{cfg.num_layers}l-{self.kind}"
             if not (path / "config.json").exists():
-                print(f"[profile] writing a {self.kind} checkpoint of preset {self.preset!r} to {path}",
-                      flush=True)
+                progress(f"[profile] writing a {self.kind} checkpoint of preset {self.preset!r} to {path}")
                 write_checkpoint(path, cfg, seed=0, kind=self.kind)
             self.checkpoint = str(path)
         return self

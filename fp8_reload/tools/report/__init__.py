@@ -28,11 +28,10 @@ from .tables import (
                      forward_table,
                      fraction_value,
                      headline,
-                     memory_bound_bytes,
                      scales_table,
 )
 from .write import command, format_markdown, write_report
 
 __all__ = ["TARGET_FILTERED_SPEEDUP", "TARGET_FULL_VS_RAW", "TARGET_PROCESS_SPEEDUP", "command",
            "format_markdown", "forward_table", "fraction_value", "headline", "load_results",
-           "machine_info", "memory_bound_bytes", "scales_table", "write_report"]
+           "machine_info", "scales_table", "write_report"]

@@ -28,8 +28,27 @@ def _product(params: list[list]) -> list[tuple]:
     return list(itertools.product(*params)) if params else [()]
 
 
+def result_dirs(results_dirs) -> list[Path]:
+    """One directory or several, as a list of paths."""
+    return [Path(results_dirs)] if isinstance(results_dirs, (str, Path)) else [Path(d) for d in results_dirs]
+
+
+def machine_dirs(results_dirs) -> dict[str, Path]:
+    """{machine: its directory} over one or several asv results directories (the curated
+    `results/asv` beside a local `.asv/results`); a machine name in two of them is an error."""
+    out: dict[str, Path] = {}
+    for root in result_dirs(results_dirs):
+        for mdir in sorted(p for p in root.iterdir() if p.is_dir()):
+            if mdir.name in out:
+                raise ValueError(f"machine {mdir.name!r} is in both {out[mdir.name].parent} and "
+                                 f"{root}: give your machine another name (asv machine)")
+            out[mdir.name] = mdir
+    return out
+
+
 def load_results(results_dir, machine: str | None = None, commit: str | None = None):
-    """One row per (machine, commit, benchmark, parameter set).
+    """One row per (machine, commit, benchmark, parameter set), from one asv results
+    directory or a list of them.
 
     Columns: machine, commit, date, benchmark, module, bench_type (time/track),
     unit, params (dict), value (asv's result: the median for times), best (the
@@ -40,13 +59,14 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
     """
     import pandas as pd
 
-    root = Path(results_dir)
     meta = {}
-    if (root / "benchmarks.json").exists():
-        meta = {k: v for k, v in _load_json(root / "benchmarks.json").items() if isinstance(v, dict)}
+    for root in result_dirs(results_dir)[::-1]:  # the first directory's descriptions win
+        if (root / "benchmarks.json").exists():
+            meta.update({k: v for k, v in _load_json(root / "benchmarks.json").items()
+                         if isinstance(v, dict)})
     rows = []
-    for mdir in sorted(p for p in root.iterdir() if p.is_dir()):
-        if machine and mdir.name != machine:
+    for name, mdir in sorted(machine_dirs(results_dir).items()):
+        if machine and name != machine:
             continue
         for f in sorted(mdir.glob("*.json")):
             if f.name == "machine.json":
@@ -92,7 +112,7 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
 
 
 def machine_info(results_dir, machine: str) -> dict:
-    path = Path(results_dir) / machine / "machine.json"
+    path = machine_dirs(results_dir).get(machine, Path(machine)) / "machine.json"
     if not path.exists():
         return {"machine": machine}
     info = _load_json(path)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 from ..markdown import markdown_table
-from .load import load_results, machine_info
+from ..usage import UsageError
+from .load import load_results, machine_info, result_dirs
 from .plots import plot_forward, plot_reload
 from .tables import forward_table, headline, scales_table
 
@@ -27,18 +27,21 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
                  commit: str | None = None, stat: str = "best") -> dict[str, Path]:
     """Write headline.md / headline.csv / results.csv / forward.csv / scales.csv and the plots.
 
+    `results_dir`: one asv results directory or a list of them (machine names must differ).
     `stat` "best": times are each benchmark's lowest sample where asv recorded
     samples (``--record-samples``): on a shared machine noise only adds time, and
     one disturbed process can shift asv's median by 100x; "median": asv's value.
     Returns {name: path} of what was written. Raises FileNotFoundError when
     there are no results to report.
     """
-    results_dir, out_dir = Path(results_dir), Path(out_dir)
-    if not results_dir.is_dir():
-        raise FileNotFoundError(f"{results_dir}: no asv results directory (run `asv run` first)")
-    df = load_results(results_dir, machine=machine, commit=commit)
+    dirs = result_dirs(results_dir)
+    out_dir = Path(out_dir)
+    for d in dirs:
+        if not Path(d).is_dir():
+            raise FileNotFoundError(f"{d}: no asv results directory (run `asv run` first)")
+    df = load_results(dirs, machine=machine, commit=commit)
     if df.empty:
-        raise FileNotFoundError(f"{results_dir}: no asv results"
+        raise FileNotFoundError(f"{', '.join(map(str, dirs))}: no asv results"
                                 + (f" for machine {machine!r}" if machine else ""))
     if stat not in ("best", "median"):
         raise ValueError(f"stat must be best or median, not {stat!r}")
@@ -61,7 +64,7 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
     if not sc.empty:
         sc.to_csv(out_dir / "scales.csv", index=False)
         written["scales.csv"] = out_dir / "scales.csv"
-    md = format_markdown(df, hl, fw, results_dir, sc, stat)
+    md = format_markdown(df, hl, fw, dirs, sc, stat)
     (out_dir / "headline.md").write_text(md)
     written["headline.md"] = out_dir / "headline.md"
     for name, fn, data in (("reload_vs_fraction.png", plot_reload, df),
@@ -108,13 +111,12 @@ def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
 
 
 def command(args) -> int:
-    """`fp8-reload report`."""
+    """`fp8-reload report`: no results to report is a usage error (exit 2)."""
     try:
-        written = write_report(args.results, args.out, machine=args.machine, commit=args.commit,
-                               stat=args.stat)
-    except FileNotFoundError as e:
-        print(f"fp8-reload report: {e}", file=sys.stderr)
-        return 2
+        written = write_report(args.results or ["results/asv"], args.out, machine=args.machine,
+                               commit=args.commit, stat=args.stat)
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e)) from None
     print((written["headline.md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in written.values()))
     return 0

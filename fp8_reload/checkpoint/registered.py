@@ -1,0 +1,153 @@
+"""Shard files the GPU's copy engine reads straight from the page cache.
+
+A shard is memory-mapped and its pages registered with the CUDA driver
+(`cudaHostRegister`, read-only): a host-to-device copy from that mapping is then
+one DMA from the page cache at the link's speed, with no CPU copy and no staging
+buffer. Registering costs about as much as reading the file once (the pages are
+faulted in and pinned), so it is done for files that are reloaded again and again,
+and kept while their stamps (size, mtime, ctime, inode) are unchanged.
+
+What it holds: the files' pages stay resident and locked while registered (one
+checkpoint's size of host memory, shared with the page cache, not a copy).
+`release` (and `fr.release_staging(model)`) gives them back.
+
+Safety: the CPU never reads a mapping (a file truncated under it would fault the
+process); only the DMA engine does, and a pinned page outlives a truncation. A
+writer that changes a file is caught by its stamp, checked before and after each
+reload: the reload then fails and is rolled back.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+import warnings
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+# cudaHostRegisterReadOnly: the driver pins the pages for reading only (the mapping is
+# PROT_READ; the device never writes them).
+_REGISTER_READ_ONLY = 0x08
+
+
+def file_stamp(path) -> tuple | None:
+    """(size, mtime_ns, ctime_ns, inode) of `path`, None when it cannot be stat'ed."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
+
+
+def _unregister(ptr: int) -> None:
+    torch.cuda.cudart().cudaHostUnregister(ptr)
+
+
+@dataclass
+class RegisteredFile:
+    path: Path
+    stamp: tuple
+    view: torch.Tensor  # uint8 over the whole file, in registered (DMA-able) host memory
+    _map: mmap.mmap
+
+    def __post_init__(self):
+        # a registration must end before its mapping does, or the next mapping at the same
+        # address cannot be registered: unregistered when this object goes, if not before
+        self._unregister = weakref.finalize(self, _unregister, self.view.data_ptr())
+
+    def release(self) -> None:
+        if self._map is None:
+            return
+        self._unregister()
+        self.view = None
+        self._map.close()
+        self._map = None
+
+
+def _clear_last_error() -> None:
+    """A refused registration leaves the CUDA runtime's last error set, and torch would
+    raise it at its next launch check; torch exposes no cudaGetLastError, so one tiny
+    launch reads (and clears) it here."""
+    try:
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
+
+
+def register(path: Path) -> RegisteredFile | None:
+    """Map and register `path`; None when this host cannot (no CUDA, a driver that
+    refuses read-only registration, a file that is not a regular file)."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size == 0:
+            return None
+        # shared and read-only: the page cache's own pages, nothing copied on write
+        mapped = mmap.mmap(fd, st.st_size, access=mmap.ACCESS_READ)
+    except (OSError, ValueError):
+        return None
+    finally:
+        os.close(fd)
+    with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
+        warnings.simplefilter("ignore", UserWarning)
+        view = torch.frombuffer(mapped, dtype=torch.uint8)
+    cudart = torch.cuda.cudart()
+    err = cudart.cudaHostRegister(view.data_ptr(), st.st_size, _REGISTER_READ_ONLY)
+    if err != cudart.cudaError.success:
+        del view
+        mapped.close()
+        _clear_last_error()
+        return None
+    return RegisteredFile(Path(path), (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino), view,
+                          mapped)
+
+
+class RegisteredShards:
+    """The registered shards a model reloads from, by path (`staging.holder` keeps it on
+    the model, so `release_staging` gives them back)."""
+
+    def __init__(self):
+        self.files: dict[str, RegisteredFile] = {}
+        self.refused: set[tuple] = set()  # (path, stamp) registration failed for: not retried
+
+    def current(self, path) -> RegisteredFile | None:
+        """`path` registered, if its stamp still matches; a changed file is released."""
+        key = str(path)
+        reg = self.files.get(key)
+        if reg is not None and reg.stamp != file_stamp(path):
+            reg.release()  # its pages are not this file's any more
+            del self.files[key]
+            return None
+        return reg
+
+    def get(self, path) -> RegisteredFile | None:
+        """`path` registered: the current registration, or a new one (None if refused)."""
+        reg = self.current(path)
+        if reg is not None:
+            return reg
+        if (str(path), file_stamp(path)) in self.refused:
+            return None
+        reg = register(Path(path))
+        if reg is None:
+            self.refused.add((str(path), file_stamp(path)))
+            return None
+        self.files[str(path)] = reg
+        return reg
+
+    def nbytes(self) -> int:
+        return sum(f.view.numel() for f in self.files.values())
+
+    def release(self) -> None:
+        for f in self.files.values():
+            f.release()
+        self.files.clear()
+        self.refused.clear()

@@ -1,0 +1,153 @@
+"""The streaming reload of the fixed path: checkpoint bytes go straight to their parameters.
+
+`prepare` (before the weights lock, nothing written) reads and checks what is small
+or has no fast path: the scales (finite, positive), and the few tensors that go
+through a module's Python `weight_loader`. `commit` (under the lock) writes the
+scales, streams everything else chunk by chunk into its place (`targets` says where,
+from the loaders' own rules), and runs the remaining loaders.
+
+Values are checked where they land (FP8 NaN encodings, non-finite floats) the first
+time a checkpoint's files are reloaded; a bad value raises `InvalidTensorError` and
+the transaction restores its backup. Values once checked are not checked again while
+the files' stamps are unchanged (the parsed checkpoint is reused only then).
+
+On a GPU the copies run on a copy stream (`to_device`); each module's copies wait for
+the backup of that module (`wait_for(module)` gives its event), so the backup's
+device-to-host copies and these host-to-device copies share the link, one each way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .. import trace
+from ..checkpoint.reader import Checkpoint
+from ..checkpoint.values import invalid_tensor_error
+from ..processing.ops import on_triton
+from ..quant import has_bad_values
+from .chunks import Chunk, advise_will_need, make_chunks, read_scalars, ring_for, stream_through_ring
+from .targets import Target, mark_loaded
+
+
+@dataclass
+class Prepared:
+    ckpt: Checkpoint
+    targets: list[Target]
+    scalar_values: list[float]
+    loaded: list[tuple[str, torch.Tensor]]  # (name, host tensor) for the modules' own loaders
+    check: bool  # values not yet known good under these files' stamps
+
+    @property
+    def staged_bytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.loaded)
+
+
+def _check_host(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
+    if tensor.is_floating_point() and has_bad_values(tensor):
+        raise invalid_tensor_error(str(ckpt.path / ckpt.weight_map[name]), name, tensor)
+
+
+def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None) -> Prepared:
+    """Read and check the scales and the tensors that take a Python loader (into `into`,
+    a pinned arena, on a GPU). Nothing in the model is written."""
+    check = not all(t.info.name in ckpt.checked for t in targets)
+    scalars = [t for t in targets if t.kind == "scalar"]
+    with trace.range("fp8_reload/scales_read", payload=4 * len(scalars)):
+        values = read_scalars(ckpt, scalars, check)
+    stats["bytes_read"] = stats.get("bytes_read", 0) + sum(t.info.nbytes for t in scalars)
+    advise_will_need(ckpt, [t for t in targets if t.kind in ("copy", "quant")])
+    loaders = [t.info.name for t in targets if t.kind == "loader"]
+    loaded = list(ckpt.read(loaders, stats, into=into)) if loaders else []
+    if check:
+        for name, tensor in loaded:
+            _check_host(ckpt, name, tensor)
+    return Prepared(ckpt, targets, values, loaded, check)
+
+
+def _write_scalars(targets: list[Target], values: list[float]) -> None:
+    # several checkpoint scales may land on one address (gate's and up's input scale of an
+    # expert): the last in file order wins, as with the loaders, so one write per address
+    last = {}
+    for t, v in zip(targets, values):
+        for view in t.views:
+            last[view.data_ptr()] = (view, v)
+    pairs = list(last.values())
+    if not pairs:
+        return
+    if on_triton(pairs[0][0]):
+        from ..kernels.triton.scatter import write_scalars_  # needs triton: imported on use
+
+        write_scalars_([view for view, _ in pairs], [v for _, v in pairs])
+        return
+    for view, v in pairs:
+        view.fill_(v)
+
+
+def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
+    """Write every target into place; returns the names of the modules touched.
+
+    `wait_for(module)` gives the CUDA event after which `module` may be overwritten (its
+    backup is taken), or None.
+    """
+    streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
+    scalars = [t for t in prep.targets if t.kind == "scalar"]
+    device = next((v.device for t in prep.targets for v in t.views), torch.device("cpu"))
+    if device.type == "cuda":
+        _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats)
+    else:
+        _write_scalars(scalars, prep.scalar_values)
+        _commit_host(model, prep, streamed, stats)
+    if prep.loaded:
+        model.load_weights(prep.loaded)
+    prep.ckpt.checked.update(t.info.name for t in prep.targets)
+    return mark_loaded(prep.targets)
+
+
+def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> None:
+    from .to_device import commit_cuda, copy_stream
+
+    stream = copy_stream(device)
+    waited: set[int] = set()
+
+    def writable(module) -> None:  # the backup of `module` is taken: it may be overwritten
+        if wait_for is not None and id(module) not in waited:
+            event = wait_for(module)
+            if event is not None:
+                stream.wait_event(event)
+            waited.add(id(module))
+
+    stream.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(stream):
+        for t in scalars:
+            writable(t.module)
+        _write_scalars(scalars, prep.scalar_values)
+    if streamed:
+        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats)
+    current = torch.cuda.current_stream(device)
+    current.wait_stream(stream)
+    if prep.loaded and wait_for is not None:  # the loaders write on the current stream
+        for t in prep.targets:
+            event = wait_for(t.module) if t.kind == "loader" else None
+            if event is not None:
+                current.wait_event(event)
+
+
+def _commit_host(model, prep: Prepared, streamed: list[Target], stats: dict) -> None:
+    """CPU: the same chunks and ring, plain copies."""
+    chunks = make_chunks(streamed)
+    if not chunks:
+        return
+
+    def land(chunk: Chunk, buf: torch.Tensor) -> None:
+        for t in chunk.targets:
+            src = chunk.source(buf, t)
+            if prep.check:
+                _check_host(prep.ckpt, t.info.name, src)
+            for view in t.views:
+                view.copy_(src)
+
+    ring = ring_for(model, max(c.nbytes for c in chunks), pin=False)
+    with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in chunks)):
+        stream_through_ring(prep.ckpt, chunks, ring, land, stats)

@@ -1,0 +1,125 @@
+"""Where each checkpoint tensor of a reload lands, worked out once from the modules' own
+loader rules (`FusedMoE.slot_destination`, `FixedFp8LinearMethod.destination`), so the
+streaming reload can copy bytes straight into place instead of calling a Python
+loader per tensor. Both paths write through the same views: they cannot disagree.
+
+Kinds of target:
+
+* ``copy``: bytes go as they are into one or more contiguous views (FP8 weights of
+  experts and linears, norms, the router);
+* ``scalar``: a 0-dim scale, written from host values (read and checked first);
+* ``quant``: a bf16 expert weight, quantized into its FP8 slot on the device;
+* ``loader``: everything else, through the module's own ``weight_loader``.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from ..checkpoint.header import TensorInfo
+from ..layers import Fp8Linear, FusedMoE
+from ..processing import FixedFp8LinearMethod, FixedFp8MoEMethod
+
+
+@dataclass
+class Target:
+    info: TensorInfo
+    kind: str  # copy | scalar | quant | loader
+    views: list[torch.Tensor] = field(default_factory=list)  # one per destination
+    module: nn.Module | None = None
+    module_name: str = ""
+    slots: list[int] = field(default_factory=list)  # FusedMoE local slots written
+    shard: str | None = None  # w1 | w2 | w3 for quant targets
+
+
+def _default_loaded(param) -> bool:
+    return not hasattr(param, "weight_loader")
+
+
+# bf16 experts quantized inside the stream (a device slot, then `quantize_pieces_`): off
+# unless FP8_RELOAD_STREAM_QUANT=1. On the H200 it matched a fresh load on full reloads but
+# not on filtered ones (issue 13's note); until that is understood bf16 experts take their
+# loaders (staged in pinned memory, quantized by post-processing, which is verified).
+STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "0") == "1"
+
+
+def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool) -> list[Target]:
+    """One `Target` per tensor that lands somewhere, in file order.
+
+    Tensors of experts this rank does not hold land nowhere and are dropped. bf16 expert
+    weights are quantized in the copy path only with `quantize_on_device` (a GPU with
+    Triton) and when an expert's three pieces are adjacent in one file; otherwise they
+    take the loader, which stages them for post-processing.
+    """
+    params = dict(model.named_parameters())
+    modules = dict(model.named_modules())
+    out = []
+    for info in sorted(infos, key=lambda i: (i.file, i.offset)):
+        pname, module_name, kw = model.resolve(info.name)
+        param, module = params[pname], modules[module_name]
+        target = _target(info, param, module, kw)
+        target.module_name = module_name
+        if target.kind in ("copy", "scalar") and not target.views:
+            continue
+        if target.kind == "quant" and not target.slots:
+            continue
+        out.append(target)
+    _quant_units_or_loader(out, quantize_on_device)
+    return out
+
+
+def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool) -> None:
+    """Quant targets whose expert cannot be quantized in one piece become loader targets."""
+    runs: list[list[Target]] = []
+    last = None  # (unit, file, position) of the previous quant target
+    for pos, t in enumerate(targets):
+        if t.kind != "quant":
+            continue
+        here = ((t.module_name, tuple(t.slots)), t.info.file)
+        if last is not None and last[:2] == here and last[2] + 1 == pos:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+        last = (*here, pos)
+    for run in runs:
+        whole = sorted(t.shard for t in run) == ["w1", "w2", "w3"]
+        if not (quantize_on_device and STREAM_QUANT and whole):
+            for t in run:
+                t.kind = "loader"
+
+
+def _target(info: TensorInfo, param, module, kw) -> Target:
+    if isinstance(module, FusedMoE) and isinstance(module.quant_method, FixedFp8MoEMethod):
+        slots = module.local_slots(kw["expert_id"])
+        views = [module.slot_destination(param, info.name, kw["shard_id"], s) for s in slots]
+        if views and views[0] is None:
+            return Target(info, "quant", [], module, slots=slots, shard=kw["shard_id"])
+        kind = "scalar" if not info.shape else "copy"
+        return Target(info, kind, views, module, slots=slots)
+    if isinstance(module, Fp8Linear) and isinstance(module.quant_method, FixedFp8LinearMethod):
+        view = module.quant_method.destination(module, param, kw.get("loaded_shard_id"))
+        if view is None:
+            return Target(info, "loader", module=module)
+        return Target(info, "scalar" if not info.shape else "copy", [view], module)
+    if _default_loaded(param) and param.shape == info.shape and param.data.is_contiguous():
+        return Target(info, "copy", [param.data], module)
+    return Target(info, "loader", module=module)
+
+
+def mark_loaded(targets: list[Target]) -> set[str]:
+    """What the loaders would have recorded: expert slots written, linear layers to
+    process. Returns the names of the modules touched (the post-processing scope)."""
+    touched = set()
+    for t in targets:
+        touched.add(t.module_name)
+        if t.kind == "loader":
+            continue  # its loader records what it wrote itself
+        if isinstance(t.module, FusedMoE):
+            t.module.loaded_experts.update(t.slots)
+        elif hasattr(t.module, "needs_processing"):
+            t.module.needs_processing = True
+    return touched

@@ -1,0 +1,203 @@
+"""Landing a streamed reload on a GPU: asynchronous copies on a copy stream, no staging of
+the whole reload, values checked where they land.
+
+Two sources:
+
+* a *registered* shard (`checkpoint.registered`, the file's page cache pinned for the
+  DMA engine): each tensor is one host-to-device copy straight into its parameter,
+  nothing read by the CPU at all;
+* any other file: `chunks.stream_through_ring` (reader threads into pinned buffers),
+  and the copies out of each buffer.
+
+Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
+shard the second time a reload reads most of it under the same stamps (what EPLB and RL
+weight sync do; registering costs about one read of the file, so a checkpoint read once
+never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
+default half the host's memory); ``always``; ``never``.
+
+bf16 experts (quantized on load) land in a device slot one chunk at a time and are
+quantized from there into their FP8 slots: device memory beyond the model is one chunk.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .. import trace
+from ..checkpoint.registered import RegisteredShards
+from ..checkpoint.staging import holder
+from ..processing.ops import on_triton
+from ..quant import has_bad_values
+from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
+from .targets import Target
+
+REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
+
+
+def _register_budget() -> int:
+    env = os.environ.get("FP8_RELOAD_REGISTER_BUDGET")
+    if env is not None:
+        return int(env)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    except (ValueError, OSError):
+        return 0
+
+
+class DeviceSlot:
+    """Device scratch for bf16 experts between their copy and their quantization."""
+
+    def __init__(self):
+        self.buffer: torch.Tensor | None = None
+
+    def get(self, nbytes: int, device) -> torch.Tensor:
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
+            self.buffer = None
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return self.buffer
+
+    def release(self) -> None:
+        self.buffer = None
+
+
+_STREAMS: dict = {}
+
+
+def copy_stream(device: torch.device) -> torch.cuda.Stream:
+    """The reload's copy stream on `device` (one per process and device, reused)."""
+    if device not in _STREAMS:
+        _STREAMS[device] = torch.cuda.Stream(device)
+    return _STREAMS[device]
+
+
+def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
+    """{file: RegisteredFile} for the chunks' files this reload reads from registered
+    memory. `ckpt.reads` counts, per file, the reloads that read most of it (the parsed
+    checkpoint lives while the files' stamps are unchanged)."""
+    shards: RegisteredShards = holder(model, "registered", RegisteredShards)
+    if REGISTER == "never":
+        return {}
+    read: dict[str, int] = {}
+    for c in chunks:
+        read[c.file] = read.get(c.file, 0) + c.nbytes
+    out = {}
+    for fname, nbytes in read.items():
+        path = ckpt.path / fname
+        size = os.path.getsize(path)
+        mostly = 2 * nbytes >= size
+        if mostly:
+            ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
+        want = REGISTER == "always" or (mostly and ckpt.reads.get(fname, 0) >= 2)
+        current = shards.current(path)
+        if current is None and want and shards.nbytes() + size <= _register_budget():
+            with trace.range("fp8_reload/register", payload=size):
+                current = shards.get(path)
+        if current is not None:
+            out[fname] = current
+    return out
+
+
+def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
+    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots;
+    with `checks`, their values' flags are appended ((targets, flags))."""
+    from ..kernels.triton.requant import quantize_pieces_  # needs triton: imported on use
+    from ..kernels.triton.scatter import check_values_
+
+    by_unit: dict = {}
+    for t in chunk.targets:
+        if t.kind == "quant":
+            by_unit.setdefault((t.module_name, tuple(t.slots)), {})[t.shard] = t
+    pieces, group = [], 0
+    for shards in by_unit.values():
+        views = {s: chunk.source(src, t) for s, t in shards.items()}
+        if checks is not None:  # checked now: the slot is reused by the next chunk
+            checks.append((list(shards.values()), check_values_([views[s] for s in shards])))
+        layer = next(iter(shards.values())).module
+        inter = layer.intermediate_size
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
+        for slot in next(iter(shards.values())).slots:
+            pieces += [(views["w1"], w13[slot, :inter], group, s13[slot]),
+                       (views["w3"], w13[slot, inter:], group, None),
+                       (views["w2"], w2[slot], group + 1, s2[slot:slot + 1])]
+            group += 2
+    quantize_pieces_(pieces)
+
+
+def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
+          quant_checks) -> None:
+    """Queue the copies of one chunk out of `buf` (pinned or registered host memory)."""
+    quant = any(t.kind == "quant" for t in chunk.targets)
+    if quant:
+        dslot = slot.get(chunk.extent, device)
+        dslot[:chunk.extent].copy_(buf[:chunk.extent], non_blocking=True)
+    for t in chunk.targets:
+        if t.kind != "copy":
+            continue
+        writable(t.module)
+        src = chunk.source(buf, t)
+        for view in t.views:
+            view.copy_(src, non_blocking=True)
+        checks.append((t, t.views[0]))
+    if quant:
+        for t in chunk.targets:
+            writable(t.module)
+        _quantize_chunk(chunk, dslot, quant_checks)
+
+
+def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict) -> None:
+    """Copy every streamed target into place on `device`, then check the values (one
+    read-back). `writable(module)` makes the copy stream wait until `module` may be
+    overwritten (its backup is taken)."""
+    t0 = streamed[0]
+    device = t0.views[0].device if t0.views else t0.module.w13_weight.device
+    stream = copy_stream(device)
+    stream.wait_stream(torch.cuda.current_stream(device))
+    checks: list[tuple[Target, torch.Tensor]] = []
+    quant_checks: list | None = [] if check else None
+    slot: DeviceSlot = holder(model, "device_slot", DeviceSlot)
+    chunks = make_chunks(streamed)
+    registered = registered_files(model, ckpt, chunks)
+    with torch.cuda.stream(stream):
+        direct = [c for c in chunks if c.file in registered]
+        with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c in direct)):
+            for chunk in direct:
+                reg = registered[chunk.file]
+                # the chunk's spans, in the registered file: one window covers them all
+                start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
+                shifted = Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans])
+                _land(shifted, reg.view[start:end], slot, device, writable, checks, quant_checks)
+                stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
+        rest = [c for c in chunks if c.file not in registered]
+        if rest:
+            ring = ring_for(model, max(c.nbytes for c in rest), pin=True)
+
+            def land(chunk: Chunk, buf: torch.Tensor):
+                _land(chunk, buf, slot, device, writable, checks, quant_checks)
+                event = torch.cuda.Event()
+                event.record(stream)
+                return event
+
+            with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
+                stream_through_ring(ckpt, rest, ring, land, stats)
+        flags = None
+        if check and checks and on_triton(checks[0][1]):
+            from ..kernels.triton.scatter import check_values_  # needs triton: imported on use
+
+            flags = check_values_([v for _, v in checks])
+    torch.cuda.current_stream(device).wait_stream(stream)
+    if check and (checks or quant_checks):
+        for targets, qflags in quant_checks or ():
+            checks += [(t, None) for t in targets]
+            flags = qflags if flags is None else torch.cat([flags, qflags])
+        if flags is not None:
+            bad = flags.nonzero().flatten().tolist()  # the one read-back of the reload
+        else:  # no Triton here: one check per tensor
+            bad = [k for k, (_, v) in enumerate(checks) if has_bad_values(v)]
+        if bad:
+            raise invalid_value(ckpt, checks[bad[0]][0].info.name, others=len(bad) - 1)

@@ -1,0 +1,158 @@
+"""Ways to move a checkpoint's tensors into preallocated GPU tensors, for side-by-side timing.
+
+Each `load_*` writes every selected tensor of a checkpoint into the matching tensor of
+`dst` ({name: device tensor}, what a reload writes into) and returns the bytes moved;
+the caller times it. The field's loaders (InstantTensor, fastsafetensors,
+safetensors) are optional: `available(io)` says whether one is installed. The two
+limits are measured, not quoted: `PinnedCopy` (one host-to-device DMA of the same
+number of bytes) and `page_cache_read` (16 threads of positional reads into one
+pinned buffer).
+
+`evict` drops files from the page cache (`posix_fadvise(DONTNEED)`) for cold runs.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import Checkpoint
+
+LIBRARIES = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
+             "safetensors": "safetensors"}
+
+
+def available(io: str) -> bool:
+    module = LIBRARIES.get(io)
+    return module is None or importlib.util.find_spec(module) is not None
+
+
+def shard_files(path) -> list[str]:
+    ckpt = Checkpoint(path)
+    return [str(ckpt.path / f) for f in sorted(set(ckpt.weight_map.values()))]
+
+
+def evict(files) -> None:
+    """Drop `files` from the page cache (pages pinned by someone are kept by the kernel)."""
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def device_targets(path, names, device) -> dict[str, torch.Tensor]:
+    """Empty device tensors for `names` (shapes and dtypes from the headers)."""
+    ckpt = Checkpoint(path)
+    return {n: torch.empty(ckpt.info(n).shape, dtype=ckpt.info(n).dtype, device=device) for n in names}
+
+
+class PinnedCopy:
+    """The host-to-device limit: `nbytes` from one pinned buffer in one copy."""
+
+    def __init__(self, nbytes: int, device):
+        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        self.src.fill_(1)
+        self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def __call__(self) -> int:
+        self.dst.copy_(self.src, non_blocking=True)
+        torch.cuda.synchronize(self.dst.device)
+        return self.src.numel()
+
+
+def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int = 64 << 20) -> int:
+    """The read limit: every byte of `files`, `chunk` per positional read, `threads` at a
+    time, into `buffer` (pinned, at least the files' total size)."""
+    jobs, at = [], 0
+    for f in files:
+        size = os.path.getsize(f)
+        jobs += [(f, off, min(chunk, size - off), at + off) for off in range(0, size, chunk)]
+        at += size
+    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+    view = memoryview(buffer.numpy())
+    try:
+        def read(job):
+            f, off, n, to = job
+            got = 0
+            while got < n:
+                step = os.preadv(fds[f], [view[to + got:to + n]], off + got)
+                if step <= 0:
+                    raise OSError(f"{f}: read stopped at byte {off + got} (buffer too small?)")
+                got += step
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(read, jobs))
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return at
+
+
+def load_instanttensor(files, dst: dict, direct: bool = False) -> int:
+    """InstantTensor 0.2: its buffered backend (page cache) or, with `direct`, its
+    default (direct I/O where the file system allows); only `dst`'s names read."""
+    from instanttensor import BackendPolicy, safe_open
+
+    device = next(iter(dst.values())).device
+    kwargs = {} if direct else {"backend": BackendPolicy.BUFFERED}
+    moved = 0
+    with safe_open(files, framework="pt", device=device.index or 0, copy=False,
+                   tensor_filter=list(dst), tensor_name_match_mode="exact", **kwargs) as f:
+        for name, tensor in f.tensors():
+            dst[name].copy_(tensor)
+            moved += tensor.numel() * tensor.element_size()
+    torch.cuda.synchronize(device)
+    return moved
+
+
+def load_fastsafetensors(files, dst: dict) -> int:
+    """fastsafetensors 0.5 without GDS (`nogds=True`), page cache kept."""
+    from fastsafetensors import SafeTensorsFileLoader
+
+    device = next(iter(dst.values())).device
+    loader = SafeTensorsFileLoader(None, device=str(device), nogds=True, disable_cache=False)
+    moved = 0
+    try:
+        loader.add_filenames({0: list(files)})
+        keep = set(dst)
+        loader.set_tensor_filter(lambda n: n in keep)
+        buffer = loader.copy_files_to_device()
+        try:
+            for name, t in dst.items():
+                src = buffer.get_tensor(name)
+                t.copy_(src)
+                moved += t.numel() * t.element_size()
+        finally:
+            torch.cuda.synchronize(device)
+            buffer.close()
+    finally:
+        loader.close()
+    return moved
+
+
+def load_safetensors(files, dst: dict) -> int:
+    """safetensors `safe_open(device="cuda")`, one `get_tensor` per name."""
+    from safetensors import safe_open
+
+    device = next(iter(dst.values())).device
+    moved = 0
+    for f in files:
+        with safe_open(f, framework="pt", device=str(device)) as handle:
+            for name in handle.keys():
+                if name in dst:
+                    t = handle.get_tensor(name)
+                    dst[name].copy_(t)
+                    moved += t.numel() * t.element_size()
+    torch.cuda.synchronize(device)
+    return moved
+
+
+def total_bytes(files) -> int:
+    return sum(Path(f).stat().st_size for f in files)

@@ -1,0 +1,193 @@
+"""Reload speed beside the machine's limits and the field's loaders, one run, one table.
+
+    python3 gpu/reload_io.py --layers 4 --out $OUT/reload_io [--whole]
+
+Per checkpoint (v2-lite slice, `fill="fast"`: valid values written at disk speed):
+the pinned host-to-device limit and the page-cache read limit (measured here, same
+bytes), InstantTensor / safetensors / fastsafetensors into preallocated device
+tensors, and fp8-reload's `update_weights_from_disk`: staged engine, streaming first
+reload (fresh stamps: nothing registered or checked), repeated reloads (registered
+shards), a filtered reload of one expert per MoE layer; then cold (evicted) runs.
+Writes table.md and rows.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+import fp8_reload as fr
+import fp8_reload.reload.transaction as transaction
+from fp8_reload.checkpoint.staging import held
+from fp8_reload.testing import io_paths
+
+GB = 1e9
+
+
+def timed(fn, repeat=1):
+    times, out = [], None
+    for _ in range(repeat):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), out
+
+
+def touch(files):
+    """New stamps (as a rewritten checkpoint has): the next reload is a first reload."""
+    for f in files:
+        st = os.stat(f)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+
+
+def one_per_layer(cfg):
+    return fr.generate_weight_name_filter({layer: [0] for layer in cfg.moe_layers})
+
+
+def run_checkpoint(path, label, rows, whole=False):
+    files = io_paths.shard_files(path)
+    ckpt = fr.Checkpoint(path)
+    names = ckpt.names
+    total = sum(ckpt.info(n).nbytes for n in names)
+    file_bytes = io_paths.total_bytes(files)  # headers too: what the limits move
+    limit = io_paths.PinnedCopy(file_bytes, "cuda")
+
+    def row(what, seconds, nbytes=total, **extra):
+        r = {"checkpoint": label, "path": what, "ms": seconds * 1e3,
+             "GB/s": nbytes / seconds / GB if nbytes else None, "bytes": nbytes, **extra}
+        rows.append(r)
+        gbs = f"{r['GB/s']:.1f} GB/s" if nbytes else ""
+        print(f"[{label}] {what:58s} {r['ms']:9.1f} ms {gbs} {extra.get('phases', '')}", flush=True)
+        return r
+
+    h2d, _ = timed(limit, repeat=5)
+    row("host->device, one pinned buffer, one copy (limit)", h2d, file_bytes)
+    read, _ = timed(lambda: io_paths.page_cache_read(files, limit.src), repeat=3)
+    row("page cache -> pinned, 16 threads preadv, 64 MiB (limit)", read, file_bytes)
+
+    dst = io_paths.device_targets(path, names, "cuda")
+    for io, fn in (("instanttensor", lambda: io_paths.load_instanttensor(files, dst)),
+                   ("safetensors", lambda: io_paths.load_safetensors(files, dst)),
+                   ("fastsafetensors", lambda: io_paths.load_fastsafetensors(files, dst))):
+        if whole and io != "instanttensor":
+            continue
+        if not io_paths.available(io):
+            print(f"[{label}] {io}: not installed, skipped")
+            continue
+        try:
+            fn()  # warm-up: library init, buffers
+            s, moved = timed(fn, repeat=3)
+            row(f"{io} (buffered), all tensors into place", s, moved)
+        except Exception as e:  # a library failing here is a result too
+            print(f"[{label}] {io} failed: {type(e).__name__}: {e}")
+
+    model = fr.load_model(path, device="cuda")
+    fr.release_staging(model)  # the fresh load's staging arena: not the reload's business
+    phases = lambda rep: ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())  # noqa: E731
+    if not whole:
+        transaction.ENGINE = "staged"
+        fr.update_weights_from_disk(model, path)
+        s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=3)
+        row("fp8-reload, staged engine (before), full", s, rep.bytes_read, phases=phases(rep))
+        fr.release_staging(model)
+    transaction.ENGINE = "stream"
+    firsts = []
+    for _ in range(3):
+        touch(files)
+        s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
+        firsts.append((s, rep))
+    s, rep = sorted(firsts, key=lambda x: x[0])[1]
+    row("fp8-reload streaming, first reload (new stamps)", s, rep.bytes_read, phases=phases(rep))
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path))  # 2nd read: registers
+    row("fp8-reload streaming, second reload (registers shards)", s, rep.bytes_read, phases=phases(rep))
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=5)
+    row("fp8-reload streaming, repeated reload (registered)", s, rep.bytes_read, phases=phases(rep))
+
+    flt = one_per_layer(model.config)
+    sel = [n for n in names if flt(n)]
+    fdst = {n: dst[n] for n in sel}
+    if io_paths.available("instanttensor"):
+        s, moved = timed(lambda: io_paths.load_instanttensor(files, fdst), repeat=5)
+        row("instanttensor, tensor filter, 1 expert per MoE layer", s, moved)
+    fr.update_weights_from_disk(model, path, flt)
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
+    row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
+
+    # cold: files evicted (registrations released first: pinned pages cannot be dropped)
+    if "registered" in held(model):
+        held(model)["registered"].release()
+    touch(files)
+    io_paths.evict(files)
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
+    row("COLD fp8-reload streaming (buffered reads + readahead)", s, rep.bytes_read, phases=phases(rep))
+    if io_paths.available("instanttensor"):
+        for direct in (True, False):
+            io_paths.evict(files)
+            try:
+                s, moved = timed(lambda d=direct: io_paths.load_instanttensor(files, dst, direct=d))
+                row(f"COLD instanttensor ({'direct I/O default' if direct else 'buffered'})", s, moved)
+            except Exception as e:
+                print(f"[{label}] instanttensor cold failed: {type(e).__name__}: {e}")
+    io_paths.evict(files)
+    s, _ = timed(lambda: io_paths.page_cache_read(files, limit.src))
+    row("COLD disk -> pinned, 16 threads preadv (limit)", s, file_bytes)
+    fr.release_staging(model)
+    limit.src = limit.dst = None
+    dst.clear()
+    fresh = fr.load_model(path, device="cuda")
+    fr.release_staging(fresh)
+    same = all(torch.equal(fr.state.raw_bytes(a), fr.state.raw_bytes(b)) for a, b in
+               zip((*model.parameters(), *model.buffers()), (*fresh.parameters(), *fresh.buffers())))
+    print(f"[{label}] after all of it, reload == fresh load bit for bit: {same}", flush=True)
+    assert same
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kinds", default="fp8,bf16")
+    ap.add_argument("--whole", action="store_true", help="also the whole v2-lite (27 layers, fp8)")
+    ap.add_argument("--dir", default="/tmp/ckpt_io")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/reload_io")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, flush=True)
+    todo = [(kind, args.layers) for kind in args.kinds.split(",")]
+    if args.whole:
+        todo.append(("fp8", 27))
+    for kind, layers in todo:
+        cfg = fr.MoEConfig.preset("v2-lite", num_layers=layers)
+        path = Path(args.dir) / f"v2-lite-{layers}-{kind}"
+        t0 = time.perf_counter()
+        if not (path / "config.json").exists():
+            fr.write_checkpoint(path, cfg, kind=kind, fill="fast", progress=False)
+        print(f"checkpoint {path.name}: {time.perf_counter() - t0:.1f} s to write", flush=True)
+        try:
+            run_checkpoint(path, f"v2-lite:{layers} {kind}", rows, whole=layers > 4)
+        except Exception:  # the rows so far are kept; the next checkpoint still runs
+            traceback.print_exc()
+        torch.cuda.empty_cache()
+        (out / "rows.json").write_text(json.dumps(rows, indent=1))
+    lines = ["| checkpoint | path | ms | GB/s | of H2D limit |", "|---|---|---|---|---|"]
+    limits = {r["checkpoint"]: r["GB/s"] for r in rows if r["path"].startswith("host->device")}
+    for r in rows:
+        share = f"{100 * r['GB/s'] / limits[r['checkpoint']]:.0f}%" if r["GB/s"] else ""
+        gbs = f"{r['GB/s']:.1f}" if r["GB/s"] else ""
+        lines.append(f"| {r['checkpoint']} | {r['path']} | {r['ms']:.1f} | {gbs} | {share} |")
+    (out / "table.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

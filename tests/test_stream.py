@@ -1,0 +1,243 @@
+"""The streaming reload engine (`reload/stream.py`, `chunks.py`, `to_device.py`).
+
+Small chunks, pieces and rings force many chunks, several reads per chunk and slots
+refilled many times over, so the pipeline's bookkeeping is exercised on a tiny model;
+every result is checked bit for bit against a fresh load and against the staged
+engine, with every Parameter the same object.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import fp8_reload as fr
+import fp8_reload.reload.chunks as chunks_mod
+import fp8_reload.reload.to_device as to_device
+import fp8_reload.reload.transaction as transaction_mod
+from fp8_reload.layers import EXPERT_RE
+from fp8_reload.reload.chunks import Chunk, make_chunks
+from fp8_reload.reload.targets import plan_targets
+
+from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor, tokens
+
+KINDS = ["fp8", "bf16"]
+SPEC = {1: [0, 3], 2: [5, 7]}
+
+
+@pytest.fixture
+def tiny_ring(monkeypatch):
+    """Chunks of at most 4 KiB (one unit may exceed it), read in 1 KiB pieces, through
+    a ring of 2 slots: hundreds of chunks, every slot refilled over and over."""
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(chunks_mod, "PIECE_BYTES", 1024)
+    monkeypatch.setattr(chunks_mod, "RING_SLOTS", 2)
+
+
+def _expected(ckpts, kind, spec, tmp_path, device):
+    if spec is None:
+        return fr.snapshot(fr.load_model(ckpts[kind, 1], device=device))
+    chosen = {(layer, e) for layer, es in spec.items() for e in es}
+
+    def key(name):
+        m = EXPERT_RE.match(name)
+        return None if m is None else (int(name.split(".")[2]), int(m.group(2)))
+
+    mixed = mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1], tmp_path / "mixed", lambda n: key(n) in chosen)
+    return fr.snapshot(fr.load_model(mixed, device=device))
+
+
+@pytest.mark.parametrize("register", ["never", "always"])
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_streamed_reload_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, device, kind, spec,
+                                             register):
+    if register == "always" and device == "cpu":
+        pytest.skip("registration is a CUDA path; the CPU run covers the ring")
+    monkeypatch.setattr(to_device, "REGISTER", register)
+    _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec)
+
+
+@pytest.mark.parametrize("spec", [None, pytest.param(SPEC, marks=pytest.mark.xfail(
+    strict=True, reason="known bug of the opt-in path, not understood yet: on the H200 the reloaded "
+    "experts of a filtered reload differ from a fresh load (full reloads match); off by default"))],
+    ids=["full", "filtered"])
+def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec):
+    """The opt-in path (FP8_RELOAD_STREAM_QUANT=1): bf16 experts quantized from a device slot."""
+    import fp8_reload.reload.targets as targets_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("quantizing inside the stream is a CUDA path (CPU experts take their loaders)")
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
+    _reload_twice_and_compare(ckpts, tmp_path, "cuda", "bf16", spec)
+
+
+def _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec):
+    model = fr.load_model(ckpts[kind, 0], device=device)
+    before = fr.snapshot(model)
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    expected = _expected(ckpts, kind, spec, tmp_path, device)
+    for _ in range(2):  # the second time: values already checked, shards maybe registered
+        report = fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
+        after = fr.snapshot(model)
+        assert fr.compare_states(expected, after) == []
+        assert after.ids == before.ids  # every Parameter the same object
+    assert report.bytes_read == sum(fr.Checkpoint(ckpts[kind, 1]).info(n).nbytes
+                                    for n in fr.Checkpoint(ckpts[kind, 1]).names if flt is None or flt(n))
+    fr.release_staging(model)  # registrations and rings given back; the next reload rebuilds them
+    fr.update_weights_from_disk(model, ckpts[kind, 0])
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 0], device=device)),
+                             fr.snapshot(model)) == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_streaming_and_staged_engines_agree(ckpts, tiny_ring, monkeypatch, device, kind):
+    got = {}
+    for engine in ("staged", "stream"):
+        monkeypatch.setattr(transaction_mod, "ENGINE", engine)
+        model = fr.load_model(ckpts[kind, 0], device=device)
+        fr.update_weights_from_disk(model, ckpts[kind, 1], fr.generate_weight_name_filter(SPEC))
+        fr.update_weights_from_disk(model, ckpts[kind, 1])
+        got[engine] = (fr.snapshot(model), model(tokens(model.config).to(device)))
+    assert fr.compare_states(got["staged"][0], got["stream"][0]) == []
+    assert torch.equal(got["staged"][1], got["stream"][1])
+
+
+def test_chunks_are_one_file_each_merge_adjacent_tensors_and_never_split_an_expert(ckpts, monkeypatch):
+    import fp8_reload.reload.targets as targets_mod
+
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
+    ckpt = fr.Checkpoint(ckpts["bf16", 0])
+    model = fr.load_model(ckpts["bf16", 0])
+    targets = plan_targets(model, [ckpt.info(n) for n in ckpt.names], quantize_on_device=True)
+    assert {t.kind for t in targets} == {"copy", "quant", "loader"}
+    # a loader only for what has no plain destination (bf16 linear weights, quantized on
+    # load) and for an expert whose pieces straddle two shards (quantized together)
+    files_of = {}
+    for t in targets:
+        files_of.setdefault((t.module_name, tuple(t.slots)), set()).add(t.info.file)
+    for t in targets:
+        if ".mlp.experts." in t.info.name:
+            split = len(files_of[(t.module_name, tuple(t.slots))]) > 1
+            assert t.kind == ("loader" if split else "quant"), t.info.name
+        elif t.kind == "loader":
+            assert t.info.dtype == torch.bfloat16 and t.info.name.endswith("proj.weight"), t.info.name
+    assert any(t.kind == "loader" and ".mlp.experts." in t.info.name for t in targets)
+    chunks = make_chunks(targets, chunk_bytes=3000)
+    assert len(chunks) > 10
+    assert [t for c in chunks for t in c.targets] == targets  # file order, each once
+    for c in chunks:
+        assert {t.info.file for t in c.targets} == {c.file}
+        assert sum(t.info.nbytes for t in c.targets) == c.nbytes == c.extent  # no gaps in these files
+        assert len(c.spans) == 1  # the tensors of a shard are adjacent: one read per chunk
+        buf = torch.arange(c.nbytes, dtype=torch.int64).to(torch.uint8)
+        for t in c.targets:
+            assert c.source(buf, t).numel() * t.info.dtype.itemsize == t.info.nbytes
+    experts = {}
+    for k, c in enumerate(chunks):
+        for t in c.targets:
+            if t.kind == "quant":
+                experts.setdefault((t.module_name, tuple(t.slots)), set()).add(k)
+    assert experts and all(len(ks) == 1 for ks in experts.values())
+    # without a device to quantize on, bf16 experts take their loader
+    on_cpu = plan_targets(model, [ckpt.info(n) for n in ckpt.names], quantize_on_device=False)
+    assert {t.kind for t in on_cpu} == {"copy", "loader"}
+    assert [t.info.name for t in on_cpu if t.kind == "loader"] == \
+        [t.info.name for t in targets if t.kind in ("loader", "quant")]
+
+
+def test_chunk_spans_skip_tensors_not_selected():
+    from fp8_reload.checkpoint.header import TensorInfo
+    from fp8_reload.reload.targets import Target
+
+    def target(offset, nbytes):
+        return Target(TensorInfo(f"t{offset}", "a", torch.uint8, (nbytes,), offset, nbytes), "copy")
+
+    chunks = make_chunks([target(0, 10), target(10, 6), target(40, 4), target(44, 4)], chunk_bytes=100)
+    assert len(chunks) == 1
+    c = chunks[0]
+    assert c.spans == [(0, 16, 0), (40, 8, 16)] and c.nbytes == c.extent == 24
+    assert [c.offset_of(t) for t in c.targets] == [0, 10, 16, 20]
+
+
+def _poke_nan(path, name):
+    def nan_at_first(t):
+        raw = t.contiguous().view(torch.uint8).clone()
+        raw.view(-1)[0] = 0x7F  # e4m3 NaN / top byte of a bf16 NaN (little endian: byte 1)
+        if t.dtype == torch.bfloat16:
+            raw.view(-1)[1] = 0x7F
+            raw.view(-1)[0] = 0xC0
+        return raw.view(t.dtype).view(t.shape)
+    rewrite_tensor(path, name, nan_at_first)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_nan_in_a_streamed_weight_is_refused_and_rolled_back(ckpts, tmp_path, tiny_ring, device, kind):
+    bad = copy_checkpoint(ckpts[kind, 1], tmp_path / "bad")
+    name = "model.layers.2.mlp.experts.5.down_proj.weight"
+    _poke_nan(bad, name)
+    model = fr.load_model(ckpts[kind, 0], device=device)
+    before = fr.snapshot(model)
+    with pytest.raises(fr.InvalidTensorError, match=f"{name}.*NaN"):
+        fr.update_weights_from_disk(model, bad)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    fr.update_weights_from_disk(model, ckpts[kind, 1])  # the model still reloads
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 1], device=device)),
+                             fr.snapshot(model)) == []
+
+
+def test_values_are_checked_once_while_the_files_are_unchanged(ckpts, tmp_path, monkeypatch):
+    import fp8_reload.reload.stream as stream_mod
+
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    model = fr.load_model(ckpts["fp8", 0])
+    calls = []
+    orig = stream_mod.has_bad_values
+    monkeypatch.setattr(stream_mod, "has_bad_values", lambda t: calls.append(1) or orig(t))
+    fr.update_weights_from_disk(model, path)
+    first = len(calls)
+    fr.update_weights_from_disk(model, path)
+    assert first > 0 and len(calls) == first  # unchanged files: nothing checked again
+    _poke_nan(path, "model.layers.1.mlp.experts.0.gate_proj.weight")  # a new stamp
+    with pytest.raises(fr.InvalidTensorError):
+        fr.update_weights_from_disk(model, path)
+
+
+def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, monkeypatch):
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    orig = Chunk.source
+    touched = []
+
+    def touch_then_source(self, buf, target):
+        if not touched:  # a writer rewrites a shard mid-reload (same bytes, new stamp)
+            shard = path / target.info.file
+            os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
+            touched.append(shard)
+        return orig(self, buf, target)
+
+    monkeypatch.setattr(Chunk, "source", touch_then_source)
+    with pytest.raises(fr.CorruptCheckpointError, match="changed while they were read"):
+        fr.update_weights_from_disk(model, path)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    monkeypatch.undo()
+    fr.update_weights_from_disk(model, path)  # re-planned from the new stamps
+    assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []
+
+
+def test_scales_landing_on_one_address_keep_the_last_in_file_order(device):
+    """Gate's and up's input scale of an expert share one slot: the later one wins (the
+    loaders' rule), also when all scales are written in one launch on the GPU."""
+    from fp8_reload.checkpoint.header import TensorInfo
+    from fp8_reload.reload.stream import _write_scalars
+    from fp8_reload.reload.targets import Target
+
+    dst = torch.zeros(4, device=device)
+    views = [dst[k % 4] for k in range(64)]
+    targets = [Target(TensorInfo(f"s{k}", "a", torch.float32, (), 4 * k, 4), "scalar", [v])
+               for k, v in enumerate(views)]
+    _write_scalars(targets, [float(k) for k in range(64)])
+    assert dst.tolist() == [60.0, 61.0, 62.0, 63.0]
