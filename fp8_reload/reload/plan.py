@@ -34,17 +34,23 @@ def checkpoint_stamp(ckpt: Checkpoint) -> tuple:
     return tuple(file_stamp(ckpt.path / f) for f in files)
 
 
-def open_checkpoint(model, path) -> Checkpoint:
-    """The checkpoint at `path`, reusing the index and shard headers parsed by the
-    previous reload from the same path when none of its files changed (size,
-    mtime, ctime, inode): EPLB reloads one checkpoint many times, and parsing
-    its JSON is most of a small reload's planning."""
+def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
+    """The checkpoint at `path`, reusing the index and shard headers parsed by an
+    earlier reload from the same path when none of its files changed (size, mtime,
+    ctime, inode): EPLB reloads one checkpoint many times, and parsing its JSON is
+    most of a small reload's planning. The last `keep` checkpoints are kept (with what
+    hangs on them: checked values, the full-reload plan), so that alternating between
+    two (RL weight sync's two buffers) keeps both."""
     key = os.path.realpath(path)
-    cached = model.__dict__.get("_checkpoint_cache")
-    if cached is not None and cached[0] == key and cached[1] == checkpoint_stamp(cached[2]):
-        return cached[2]
+    cache = model.__dict__.setdefault("_checkpoint_cache", {})
+    cached = cache.pop(key, None)
+    if cached is not None and cached[0] == checkpoint_stamp(cached[1]):
+        cache[key] = cached  # most recent last
+        return cached[1]
     ckpt = Checkpoint(path)
-    model.__dict__["_checkpoint_cache"] = (key, checkpoint_stamp(ckpt), ckpt)
+    cache[key] = (checkpoint_stamp(ckpt), ckpt)
+    while len(cache) > keep:
+        cache.pop(next(iter(cache)))
     return ckpt
 
 
