@@ -1,6 +1,8 @@
-"""Expert parallelism: which rank holds which expert, and moving experts between ranks.
+"""Expert parallelism: which rank holds which expert, the forward through that placement,
+and moving experts between ranks.
 
     placement  the physical -> logical slot table and EPLB's balancing policy
+    workload   synthetic skewed loads and routings, controlled moves (benchmarks, tests)
     slots      a rank's share of the model; a slot's state packed as one row of bytes
     plan       what every rank changes and where each new expert comes from
     rebalance  the collective transaction: agree, stage, exchange / read, commit, roll back
@@ -10,7 +12,7 @@
 
 from .group import default_backend, init_rank, launched_by_torchrun, warm_up_p2p
 from .launch import RankPool, run_ranks
-from .placement import Placement, balance_placement, default_slots_per_rank, move_experts, synthetic_load
+from .placement import Placement, balance_placement, default_slots_per_rank
 from .plan import MODES, Fetch, RankPlan, RebalancePlan
 from .rebalance import RebalanceReport, rebalance
 from .slots import (
@@ -22,9 +24,12 @@ from .slots import (
                         slot_tensors,
                         write_slots,
 )
+from .workload import move_experts, routing_load, skewed_routing, synthetic_load
 
-__all__ = ["Fetch", "MODES", "Placement", "RankPlan", "RankPool", "RebalanceError",
-           "RebalancePlan", "RebalanceReport", "balance_placement", "default_backend",
-           "default_slots_per_rank", "init_rank", "launched_by_torchrun", "load_rank_model",
-           "moe_layer_map", "move_experts", "pack_slots", "rebalance", "row_bytes", "run_ranks",
-           "slot_tensors", "synthetic_load", "warm_up_p2p", "write_slots"]
+__all__ = ["Fetch", "MODES", "Placement", "RankPlan",
+           "RankPool", "RebalanceError", "RebalancePlan", "RebalanceReport", "balance_placement",
+           "default_backend", "default_slots_per_rank",
+           "init_rank", "launched_by_torchrun", "load_rank_model",
+           "moe_layer_map", "move_experts", "pack_slots", "rebalance",
+           "routing_load", "row_bytes", "run_ranks", "skewed_routing", "slot_tensors",
+           "synthetic_load", "warm_up_p2p", "write_slots"]

@@ -35,7 +35,8 @@ def encode(obj):
     """JSON-ready form of a rank's result: keeps tuples, non-string dict keys and reports."""
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REPORTS:
         return {"__report__": type(obj).__name__,
-                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                           if f.init}}
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": obj.tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
     if isinstance(obj, dict):
