@@ -10,6 +10,7 @@ start-up dominates the cost on CPU).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
@@ -365,10 +366,50 @@ def test_rebalance_needs_a_placed_fixed_model(ckpts):
         rebalance(fr.load_model(ckpts["fp8", 0]), None)
 
 
-def test_cli_rebalance(capsys):
+def test_cli_rebalance(capfd, tmp_path):
+    report = tmp_path / "rebalance.json"
     assert main(["rebalance", "--world-size", "2", "--backend", "gloo", "--mode", "all",
-                 "--preset", "tiny"]) == 0
-    out = capsys.readouterr().out
+                 "--preset", "tiny", "--tokens", "64", "--json", str(report)]) == 0
+    captured = capfd.readouterr()
+    out = captured.out
     assert "OK: every rank equals a fresh load" in out
     for mode in ("p2p", "disk", "hybrid"):
         assert out.count(f" {mode} ") >= 2
+    # the EP forward before -> after, per rank, and a progress line per step
+    assert "slowest rank / mean per MoE layer: tokens" in out and out.count("matches: ") == 6
+    assert [f"step {i}/3" in captured.err for i in (1, 2, 3)] == [True] * 3
+    rows = json.loads(report.read_text())
+    assert len(rows) == 6 and all(r["forward_matches"] and r["equals_fresh_load"] for r in rows)
+    for mode in ("p2p", "disk", "hybrid"):
+        ranks = [r for r in rows if r["mode"] == mode]
+        pairs = 2 * 64 * 2 * 2  # ranks x tokens x top-k x MoE layers
+        assert sum(r["tokens_before"] for r in ranks) == sum(r["tokens_after"] for r in ranks) == pairs
+        assert all(r["forward_calc_diff"] <= r["forward_bound"] for r in ranks)
+
+
+def test_cli_rebalance_fails_when_a_forward_does_not_match(capsys):
+    """--forward-bound 0 demands bitwise equality, which ranks quantizing activations with
+    their own scales do not give: the command must say so and exit 1."""
+    assert main(["rebalance", "--world-size", "2", "--backend", "gloo", "--preset", "tiny",
+                 "--tokens", "32", "--forward-bound", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT MATCH" in out and out.rstrip().endswith("single-device forward")
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--mode", "bogus"], "unknown --mode"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--kind", "int4"], "--kind"),
+    (["--preset", "huge"], "unknown preset"),
+    (["--num-layers", "1"], "no MoE layer"),
+    (["--slots-per-rank", "3"], "cannot hold 8 experts"),
+    (["--alpha", "-1"], "--alpha"),
+    (["--tokens", "0"], "--tokens"),
+    (["--exclude-sources", "5"], "ranks lie in [0, 2)"),
+    (["--moe-backend", "nope"], "--moe-backend nope"),
+    (["--checkpoint", "/nonexistent"], "no config.json"),
+])
+def test_cli_rebalance_refuses_bad_requests_in_one_line(capsys, args, why):
+    assert main(["rebalance", "--backend", "gloo", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("fp8-reload rebalance: error: ") and why in err

@@ -63,8 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0)
     w.set_defaults(func=_run("checkpoint"))
 
-    r = sub.add_parser("rebalance", help="expert-parallel rebalance across ranks (torch.distributed), "
-                       "checked against a fresh load on every rank")
+    r = sub.add_parser("rebalance", help="expert-parallel forward and rebalance across ranks "
+                       "(torch.distributed), checked against a fresh load and the single-device "
+                       "forward on every rank")
     r.add_argument("--world-size", type=int, default=2,
                    help="ranks to spawn (under torchrun: taken from WORLD_SIZE)")
     r.add_argument("--backend", choices=("gloo", "nccl"), default=None,
@@ -81,8 +82,17 @@ def build_parser() -> argparse.ArgumentParser:
                    help="hybrid only: ranks that may not serve experts by P2P, so experts only "
                         "they hold come from disk (default: 1)")
     r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--alpha", type=float, default=1.2, help="Zipf skew of the synthetic load")
-    r.add_argument("--no-check", action="store_true", help="skip the fresh-load comparison")
+    r.add_argument("--alpha", type=float, default=1.2, help="Zipf skew of the synthetic routing")
+    r.add_argument("--tokens", type=int, default=256,
+                   help="tokens per rank routed through every MoE layer (default 256)")
+    r.add_argument("--moe-backend", default=None,
+                   help="MoE forward backend of the ranks' local experts (default: torch)")
+    r.add_argument("--forward-bound", type=float, default=4e-3,
+                   help="calc_diff the EP forward may differ from the single-device forward by "
+                        "(default 4e-3, CROSS_SCHEME_BOUND: ranks quantize activations with their "
+                        "own scales; 0 demands bitwise equality)")
+    r.add_argument("--no-check", action="store_true",
+                   help="skip the fresh-load and single-device comparisons")
     r.add_argument("--json", default=None, help="also write per-rank results to this JSON file")
     r.set_defaults(func=_run("rebalance"))
     b = sub.add_parser("bench-kernels", help="time and check the MoE forward kernels on a GPU "
