@@ -36,6 +36,7 @@ Works with ``gloo`` on CPU and ``nccl`` on GPUs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
@@ -311,13 +312,12 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, re
                     chunks.setdefault(lid, []).append((experts, buf))
             for lid, changed in mine.changed.items():
                 layer = layers[lid]
+                slots_of: dict[int, list[int]] = {}  # new expert -> the slots it fills
+                for s in sorted(changed):
+                    slots_of.setdefault(changed[s], []).append(s)
                 for experts, packed in chunks.get(lid, []):
-                    dst, rows = [], []
-                    for i, e in enumerate(experts):
-                        for s in sorted(changed):
-                            if changed[s] == e:
-                                dst.append(s)
-                                rows.append(i)
+                    dst = [s for e in experts for s in slots_of[e]]
+                    rows = [i for i, e in enumerate(experts) for _ in slots_of[e]]
                     write_slots(layer, dst, packed, rows)
                 refresh_merged_input_scales(layer)
                 layer.weights_version += 1
@@ -336,8 +336,9 @@ def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
 
 def _alloc(layers, items, device) -> torch.Tensor:
     """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
-    return torch.empty(sum(row_bytes(layers[lid]) for lid, _ in items), dtype=torch.uint8,
-                       device=device)
+    per_layer = Counter(lid for lid, _ in items)
+    return torch.empty(sum(n * row_bytes(layers[lid]) for lid, n in per_layer.items()),
+                       dtype=torch.uint8, device=device)
 
 
 def _segments(layers, items, buf: torch.Tensor):
@@ -363,7 +364,7 @@ def _gather_failures(error, group, device) -> list[int]:
     flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
     flags = [torch.zeros_like(flag) for _ in range(world)]
     dist.all_gather(flags, flag, group=group)
-    return [r for r, f in enumerate(flags) if int(f.item())]
+    return [r for r, f in enumerate(torch.cat(flags).tolist()) if f]
 
 
 def _restore(model, layers, backup, old: Placement, rank: int) -> None:

@@ -84,7 +84,12 @@ def row_bytes(layer: FusedMoE) -> int:
 
 
 def _index(slots, device) -> torch.Tensor:
-    return torch.as_tensor(list(slots), dtype=torch.long).to(device)
+    """`slots` as an index on `device`. To a GPU it goes from pinned memory without waiting
+    for the device (the caching host allocator keeps the pinned block until the copy ran)."""
+    idx = torch.as_tensor(list(slots), dtype=torch.long)
+    if torch.device(device).type == "cuda":
+        return idx.pin_memory().to(device, non_blocking=True)
+    return idx
 
 
 def pack_slots(layer: FusedMoE, slots: Sequence[int], out: torch.Tensor | None = None
