@@ -296,6 +296,7 @@ def _refusal_rank(rank, world, device, path):
     bad = (torch.ones(x.shape[0], 2) / 2, torch.full((x.shape[0], 2), 99 if rank == 0 else 0))
     attempt("bad-routing", layer, x, bad)
     attempt("dense-layer", 0, x)
+    attempt("bad-backend", layer, x, backend="torch" if rank == 0 else "no-such-backend")
     attempt("recovered", layer, x)
 
     # A forward arriving while the commit is half done waits for it.
@@ -346,6 +347,12 @@ def test_one_rank_that_cannot_route_makes_every_rank_refuse(refusals):
     assert r1 and "rank(s) [0] cannot dispatch" in r1
     assert all(m and "not an MoE layer" in m for m in refusals["dense-layer"])
     assert refusals["recovered"] == [None, None]  # and the next forward runs
+
+
+def test_a_rank_whose_experts_fail_fails_every_rank_without_a_hang(refusals):
+    r0, r1 = refusals["bad-backend"]
+    assert r0 and "failed in the local experts of rank(s) [1]" in r0
+    assert r1 and "rank(s) [1]" in r1 and "no-such-backend" in r1
 
 
 def test_a_forward_never_runs_on_a_half_moved_layer(refusals):

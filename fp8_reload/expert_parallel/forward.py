@@ -51,13 +51,13 @@ from ..errors import ReloadError
 from ..kernels import run_moe
 from ..layers import FP8MoEModel, MoEBlock
 from .dispatch import choose_replicas
-from .group import comm_device
+from .group import comm_device, failed_ranks
 
 _SLOT_BYTES = 4  # a row's local slot id travels as int32 beside the token's bf16 row
 
 
 class DispatchError(ReloadError):
-    """An expert-parallel forward could not run; every rank refused it, nothing was computed."""
+    """An expert-parallel forward could not run or failed; every rank raises it together."""
 
 
 @dataclass
@@ -130,7 +130,7 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
             order = torch.argsort(dest, stable=True)
             counts = torch.bincount(dest, minlength=world)
             fingerprint, problem = placement.fingerprint(), None
-        except (DispatchError, KeyError, ValueError) as e:
+        except Exception as e:  # refused below, on every rank: none may wait for this one
             counts, fingerprint, problem = torch.zeros(world, dtype=torch.long), 0, e
         header = torch.stack([counts.cpu(), torch.full((world,), fingerprint),
                               torch.full((world,), int(problem is None))], 1)
@@ -152,7 +152,15 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
         slots = received[:, 2 * hidden:].contiguous().view(torch.int32).reshape(-1).to(device)
         t = timer.mark("dispatch", t)
 
-        y = local_expert_forward(model, layer_id, rows, slots.long(), backend)
+        try:
+            y, problem = local_expert_forward(model, layer_id, rows, slots.long(), backend), None
+        except Exception as e:  # e.g. a backend error: every rank must learn of it
+            y, problem = rows, e
+        failed = failed_ranks(problem, group, comm)
+        if failed:
+            here = f"; here: {type(problem).__name__}: {problem}" if problem is not None else ""
+            raise DispatchError(f"expert-parallel forward of layer {layer_id} failed in the local "
+                                f"experts of rank(s) {failed}{here}") from problem
         t = timer.mark("moe", t)
 
         back = torch.empty(order.numel(), 2 * hidden, dtype=torch.uint8, device=comm)

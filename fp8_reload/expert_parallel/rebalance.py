@@ -48,7 +48,7 @@ from ..device import synchronize
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel, FusedMoE
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
-from .group import comm_device, global_rank
+from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import MODES, RebalancePlan
 from .slots import (
@@ -253,7 +253,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
-            failed = _gather_failures(error, group, comm)
+            failed = failed_ranks(error, group, comm)
             if failed:
                 if locked:
                     _restore(model, layers, backup, old, rank)
@@ -357,14 +357,6 @@ def _segments(layers, items, buf: torch.Tensor):
         yield lid, [x for _, x in items[i:j]], buf[off:off + n]
         off += n
         i = j
-
-
-def _gather_failures(error, group, device) -> list[int]:
-    world = dist.get_world_size(group)
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    flags = [torch.zeros_like(flag) for _ in range(world)]
-    dist.all_gather(flags, flag, group=group)
-    return [r for r, f in enumerate(torch.cat(flags).tolist()) if f]
 
 
 def _restore(model, layers, backup, old: Placement, rank: int) -> None:
