@@ -15,7 +15,7 @@
 #               whole v2-lite (26 MoE layers, filled on the device) in one rebalance
 #  ep-balance   EP forward, Zipf routing, 4096 tokens/rank, triton: tokens and MoE time per
 #               rank and layer, before / after balance_placement + rebalance (+ plot)
-#  cli-v2lite   `fp8-reload rebalance` on the v2-lite:3 checkpoint, p2p
+#  cli-v2lite   `fp8-reload rebalance` on the v2-lite:3 checkpoint, p2p, local experts in Triton
 #  multinode    two `torchrun --nnodes 2` agents (one GPU each) on this host, NCCL
 #  asv          the headline benchmarks under asv (machine h200x2, gpu/rebalance_asv.sh)
 # Outputs under $OUT (8 files): rebalance_2gpu.log (everything), rebalance_nccl_small.json,
@@ -96,9 +96,11 @@ step bench 200 $PY benchmarks/rebalance.py --repeat 5 --json "$OUT/rebalance_ben
 
 step ep-balance 120 $PY benchmarks/ep_forward.py --json "$OUT/ep_balance.json" --plot "$OUT/ep_balance.png"
 
-# p2p only: the bench verified disk and hybrid moves of this checkpoint against fresh loads
+# p2p only: the bench verified disk and hybrid moves of this checkpoint against fresh loads.
+# The local experts through Triton on the GPUs (both sides of the comparison), torch on CPU.
+if [ "$BACKEND" = nccl ]; then MOE=triton; else MOE=torch; fi
 step cli-v2lite 100 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode p2p \
-  --checkpoint "$CKPT" --kind fp8 --tokens 1024 --json "$OUT/rebalance_nccl_v2lite.json"
+  --checkpoint "$CKPT" --kind fp8 --tokens 1024 --moe-backend "$MOE" --json "$OUT/rebalance_nccl_v2lite.json"
 
 step multinode 90 bash -c '
   port=$((29600 + RANDOM % 300)); pids=()

@@ -30,7 +30,8 @@ def cli(path: Path, label: str) -> None:
                        for r in rs)
         diff = max(r.get("forward_calc_diff", float("nan")) for r in rs)
         ok = all(r.get("forward_matches") and r["equals_fresh_load"] for r in rs)
-        print(f"  {label} {kind} {mode} ({rs[0]['backend']}): tokens {tok}; MoE ms {moe}; EP vs "
+        print(f"  {label} {kind} {mode} ({rs[0]['backend']}, {rs[0].get('moe_backend', 'torch')}): "
+              f"tokens {tok}; MoE ms {moe}; EP vs "
               f"single device calc_diff <= {diff:.1e} (bound {rs[0]['forward_bound']:.0e}); "
               f"{'all ranks match, state == fresh load' if ok else 'MISMATCH'}")
 

@@ -150,7 +150,7 @@ def _one_run(rank, world, device, spec: DemoSpec, path, cfg, full, x, routing, k
     row = {"kind": kind, "mode": mode, "rank": rank, "world": world, "device": str(device),
            "wall_s": wall, "report": report, "placement": model.placement, "start": start,
            "load": load, "layers": len(start.layers), "experts": cfg.num_experts, "slots": slots,
-           "tokens_per_rank": x.shape[0], "top_k": cfg.top_k,
+           "tokens_per_rank": x.shape[0], "top_k": cfg.top_k, "moe_backend": spec.moe_backend or "torch",
            **forward_fields(before, "before"), **forward_fields(after, "after")}
     if spec.check:
         fresh = load_rank_model(path, model.placement, rank, device)
