@@ -118,6 +118,7 @@ else
   SUMMARY+=("SKIP  asv: asv is not installed here")
 fi
 
+SUM=$(mktemp /tmp/rebalance-summary-XXXX)  # not $LOG itself: the greps below read it
 {
 echo
 echo "================ summary (rebalance 2xGPU, $(( $(date +%s) - T0 ))s, results in $OUT) ================"
@@ -136,5 +137,6 @@ echo
 echo "-- fp8-reload rebalance runs (EP forward vs single device per rank), multinode, asv:"
 $PY gpu/rebalance_figures.py "$OUT"
 if [ "$FAIL" -eq 0 ]; then echo "rebalance 2xGPU: ALL PASS"; else echo "rebalance 2xGPU: FAILURES above"; fi
-} | tee -a "$LOG"
+} > "$SUM"
+cat "$SUM"; cat "$SUM" >> "$LOG"; rm -f "$SUM"
 exit "$FAIL"
