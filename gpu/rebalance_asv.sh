@@ -35,7 +35,7 @@ if torch.cuda.is_available():
 print("asv machine:", ensure_machine(sys.argv[1], torch=torch.__version__, **gpu))
 EOF
 $PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \
-  --record-samples -a repeat=5 -a rounds=1 --show-stderr \
+  --record-samples -a repeat=3 -a rounds=1 --show-stderr \
   -b "\.Rebalance\.time_rebalance\($HEAD, 'p2p', 'all'\)" \
   -b "ContiguousExchange\.time_exchange\($HEAD, 'all'\)" \
   -b "WholeModel(Rebalance|Exchange)\.time_(rebalance|exchange)\($HEAD\)" \
