@@ -113,7 +113,7 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
     `routing` (topk_weights [n, k], logical topk_ids [n, k]) replaces the gate. Ranks may
     hold different numbers of tokens, none included. Raises `DispatchError` on every rank
     if any rank cannot dispatch (no placement, another placement than its peers, bad
-    routing); nothing is computed then.
+    routing: nothing is computed then) or its local experts fail.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     device = x.device
@@ -156,12 +156,12 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
             y, problem = local_expert_forward(model, layer_id, rows, slots.long(), backend), None
         except Exception as e:  # e.g. a backend error: every rank must learn of it
             y, problem = rows, e
+        t = timer.mark("moe", t)  # before waiting on the others: this rank's own time
         failed = failed_ranks(problem, group, comm)
         if failed:
             here = f"; here: {type(problem).__name__}: {problem}" if problem is not None else ""
             raise DispatchError(f"expert-parallel forward of layer {layer_id} failed in the local "
                                 f"experts of rank(s) {failed}{here}") from problem
-        t = timer.mark("moe", t)
 
         back = torch.empty(order.numel(), 2 * hidden, dtype=torch.uint8, device=comm)
         dist.all_to_all_single(back, y.view(torch.uint8).to(comm), send_counts, recv_counts,
