@@ -11,6 +11,7 @@ of the same checkpoint, and report tokens and MoE time per rank.
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -68,8 +69,6 @@ def progress(rank: int, text: str) -> None:
 
 def demo_rank(rank: int, world: int, device: torch.device, spec: DemoSpec) -> list[dict]:
     """One rank of the command; returns every rank's rows (all-gathered) for rank 0 to print."""
-    import os
-
     if int(os.environ.get("LOCAL_RANK", rank)) == 0:  # each node writes its own copy
         for kind, path in spec.checkpoints.items():
             progress(rank, f"checkpoint {kind}: {path}")
