@@ -30,7 +30,11 @@ REPO = Path(__file__).resolve().parents[1]
 MODULES = ["reload", "processing", "forward", "accuracy"]
 # Why a benchmark may skip on a machine without CUDA.
 CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not available")
-ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32"}
+ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32",
+       # the expert-parallel benchmarks: tiny models, one move size, few tokens
+       "FP8_RELOAD_BENCH_REBALANCE": "tiny:3", "FP8_RELOAD_BENCH_WHOLE": "tiny",
+       "FP8_RELOAD_BENCH_MOVED": "2", "FP8_RELOAD_BENCH_SOURCES": "p2p,hybrid",
+       "FP8_RELOAD_BENCH_EP_TOKENS": "32"}
 
 
 @pytest.fixture(scope="module")
