@@ -43,31 +43,18 @@ from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: the checkout is the code under test
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from benchmarks.common import require
-    from benchmarks.ep_common import (
-        CHECK_FILLED,
-        EXCHANGE,
-        ON_CUDA,
-        checkpoint_start,
-        moved_placement,
-        rank_pool,
-        verify_move,
-        whole_pool,
-        whole_start,
-    )
-else:
-    from .common import require
-    from .ep_common import (
-        CHECK_FILLED,
-        EXCHANGE,
-        ON_CUDA,
-        checkpoint_start,
-        moved_placement,
-        rank_pool,
-        verify_move,
-        whole_pool,
-        whole_start,
-    )
+from benchmarks.common import require  # noqa: E402  (asv imports this directory as `benchmarks`)
+from benchmarks.ep_common import (  # noqa: E402
+    CHECK_FILLED,
+    EXCHANGE,
+    ON_CUDA,
+    checkpoint_start,
+    moved_placement,
+    rank_pool,
+    verify_move,
+    whole_pool,
+    whole_start,
+)
 
 # Experts moved per layer (FP8_RELOAD_BENCH_MOVED): 32 is more than the CPU model's 16 allow.
 MOVED = [int(m) for m in os.environ.get("FP8_RELOAD_BENCH_MOVED", "0,2,8,32" if ON_CUDA else "0,8")
