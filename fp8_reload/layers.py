@@ -214,9 +214,16 @@ class MoEBlock(nn.Module):
             MLP(cfg.hidden_size, cfg.shared_intermediate_size, make_linear_method, device)
             if cfg.num_shared_experts else None)
 
-    def forward(self, x: torch.Tensor, backend: str | None = None) -> torch.Tensor:
-        topk_weights, topk_ids = self.gate(x)
-        y = self.experts(x, topk_weights, topk_ids, backend=backend).float()
+    def forward(self, x: torch.Tensor, backend: str | None = None,
+                routing: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`routing` (topk_weights, topk_ids) replaces the gate's choice (benchmarks skew it)."""
+        topk_weights, topk_ids = self.gate(x) if routing is None else routing
+        return self.combine(x, self.experts(x, topk_weights, topk_ids, backend=backend))
+
+    def combine(self, x: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The block's output from the routed experts' output: plus the shared experts.
+        The expert-parallel forward (`expert_parallel.forward`) ends here too."""
+        y = routed.float()
         if self.shared_experts is not None:
             y = y + self.shared_experts(x).float()
         return y.to(torch.bfloat16)

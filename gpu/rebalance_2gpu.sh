@@ -1,50 +1,68 @@
 #!/usr/bin/env bash
-# On a 2x H200 host: expert-parallel rebalance across 2 ranks with NCCL.
+# On a 2x H200 host: expert parallelism across 2 ranks with NCCL, end to end.
 #
-#   bash gpu/rebalance_2gpu.sh        (from the repo root; logs and results go under "$OUT")
+#   OUT=/tmp/out bash gpu/rebalance_2gpu.sh          (from the repo root)
+#   REBALANCE_BACKEND=gloo bash gpu/rebalance_2gpu.sh  (dry run on a CPU box: gloo, small models)
 #
-# 1. environment: torch, GPUs, NCCL, peer access, NVLink multicast kept OFF
-# (the CPU suite, gloo with 2 and 4 ranks, is CI's: tests/test_*placement*, *rebalance*)
-# 2. `fp8-reload rebalance` with NCCL on the two GPUs, every mode, fp8 + bf16 checkpoints:
-#    every rank must equal a fresh load under the new placement (bitwise)
-# 3. the rebalance benchmark (time vs experts moved, p2p vs disk vs cold disk) on
-#    DeepSeek-V2-Lite-sized experts (64 x 8.3 MiB per MoE layer): prints the table,
-#    writes $OUT/rebalance_bench.json (commit as results/rebalance_h200.json)
-# 4. `fp8-reload rebalance` with NCCL on that V2-Lite-sized checkpoint, every mode
-# Ends with one line per step and an overall PASS/FAIL. Budget: < 3 minutes.
+# Steps (each under a timeout, all under one budget, REBALANCE_BUDGET_S, default 460 s):
+#  env          torch, GPUs, NCCL, peer access; NVLink multicast kept OFF
+#  cli-small    `fp8-reload rebalance`, every mode, fp8 + bf16: every rank equals a fresh load
+#               under the new placement; the EP forward before/after on a skewed routing:
+#               tokens and MoE time per rank, each rank against the single-device forward
+#  checkpoint   the v2-lite:3 benchmark checkpoint (2 MoE layers of 64 V2-Lite experts)
+#  bench        rebalance time vs experts moved x source x layers, each p2p row beside one
+#               contiguous NCCL transfer of the same bytes (same ranks, same run), then the
+#               whole v2-lite (26 MoE layers, filled on the device) in one rebalance
+#  ep-balance   EP forward, Zipf routing, 4096 tokens/rank, triton: tokens and MoE time per
+#               rank and layer, before / after balance_placement + rebalance (+ plot)
+#  cli-v2lite   `fp8-reload rebalance` on the v2-lite:3 checkpoint, p2p, local experts in Triton
+#  multinode    two `torchrun --nnodes 2` agents (one GPU each) on this host, NCCL
+#  asv          the headline benchmarks under asv (machine h200x2, gpu/rebalance_asv.sh)
+# Outputs under $OUT (8 files): rebalance_2gpu.log (everything), rebalance_nccl_small.json,
+# rebalance_bench.json, ep_balance.json, ep_balance.png, rebalance_nccl_v2lite.json,
+# multinode.json, asv_h200x2.tar.gz (results/asv/h200x2 + benchmarks-h200x2.json, to commit).
+# Ends with a summary of every figure and PASS/FAIL per step. ~5-6 minutes.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+T0=$(date +%s)
 
 # Never use NVLink multicast (NVLS): not available to this project.
 export NCCL_NVLS_ENABLE=0
 export TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 export NVSHMEM_DISABLE_NVLS=1
 export NCCL_DEBUG=${NCCL_DEBUG:-WARN}
+export PYTHONUNBUFFERED=1
 
 OUT=${OUT:-$(mktemp -d /tmp/rebalance-XXXX)}
 mkdir -p "$OUT"
+LOG="$OUT/rebalance_2gpu.log"
+: > "$LOG"
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1 && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl || true
 fi
 export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
 export FP8_RELOAD_BENCH_DIR=${FP8_RELOAD_BENCH_DIR:-/tmp/fp8-reload-bench}
-PY=python3
+PY=${PYTHON:-python3}
 BACKEND=${REBALANCE_BACKEND:-nccl}  # gloo only to dry-run this script on a CPU box
-T0=$(date +%s)
+if [ "$BACKEND" = gloo ]; then export FP8_RELOAD_BENCH_DEVICE=cpu; fi
+BUDGET=${REBALANCE_BUDGET_S:-460}  # seconds from the start; steps are cut to what is left
 declare -a SUMMARY
 FAIL=0
 
-step() {  # step NAME TIMEOUT_S CMD...: run, tee the log into $OUT, record the outcome
+step() {  # step NAME TIMEOUT_S CMD...: run within the budget, log, record the outcome
   local name=$1 limit=$2; shift 2
+  local left=$(( BUDGET - ($(date +%s) - T0) ))
+  if [ "$left" -lt 20 ]; then SUMMARY+=("FAIL  $name: not run, the ${BUDGET}s budget is spent"); FAIL=1; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
   local t=$(date +%s)
   echo
-  echo "================ $name ================"
-  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+  echo "================ $name (limit ${limit}s) ================" | tee -a "$LOG"
+  timeout --kill-after=10 "$limit" "$@" 2>&1 | tee -a "$LOG"
   local rc=${PIPESTATUS[0]}
   local dt=$(( $(date +%s) - t ))
   if [ "$rc" -eq 0 ]; then SUMMARY+=("PASS  $name (${dt}s)");
   elif [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then SUMMARY+=("FAIL  $name: timed out after ${limit}s"); FAIL=1;
-  else SUMMARY+=("FAIL  $name: exit $rc (${dt}s, see $OUT/$name.log)"); FAIL=1; fi
+  else SUMMARY+=("FAIL  $name: exit $rc (${dt}s)"); FAIL=1; fi
 }
 
 step env 60 $PY - <<'EOF'
@@ -61,31 +79,64 @@ for i in range(n):
 if n >= 2:
     print("peer access 0->1:", torch.cuda.can_device_access_peer(0, 1))
 print({k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS")})
-print("posix_fadvise:", hasattr(os, "posix_fadvise"), "| cpus:", os.cpu_count())
-bench_dir = os.environ["FP8_RELOAD_BENCH_DIR"]
-os.makedirs(bench_dir, exist_ok=True)
-os.system(f"df -hT {bench_dir} | tail -n 1")  # tmpfs: the disk-cold rows cannot be cold
+import fp8_reload.kernels as k
+print("MoE backends:", k.available_backends(), "| cpus:", os.cpu_count())
+os.makedirs(os.environ["FP8_RELOAD_BENCH_DIR"], exist_ok=True)
+os.system(f"df -hT {os.environ['FP8_RELOAD_BENCH_DIR']} | tail -n 1")  # tmpfs: disk-cold cannot be cold
 assert n >= 2 or os.environ.get("REBALANCE_BACKEND") == "gloo", "the rebalance checks need 2 GPUs"
 EOF
 
-step nccl-small 120 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode all \
-  --kind fp8,bf16 --preset small --json "$OUT/rebalance_nccl_small.json"
+step cli-small 120 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode all \
+  --kind fp8,bf16 --preset small --tokens 1024 --json "$OUT/rebalance_nccl_small.json"
 
-step bench-checkpoint 150 $PY benchmarks/rebalance.py --checkpoint-only
-CKPT=$(grep -E '^/' "$OUT/bench-checkpoint.log" | tail -n 1)
+step checkpoint 120 $PY benchmarks/rebalance.py --checkpoint-only
+CKPT=$(grep -E '^/' "$LOG" | tail -n 1)
 
-step bench 300 $PY benchmarks/rebalance.py --repeat 5 --json "$OUT/rebalance_bench.json"
+step bench 200 $PY benchmarks/rebalance.py --repeat 5 --json "$OUT/rebalance_bench.json"
 
-step nccl-v2lite 150 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode all \
-  --checkpoint "$CKPT" --kind fp8 --json "$OUT/rebalance_nccl_v2lite.json"
+step ep-balance 120 $PY benchmarks/ep_forward.py --json "$OUT/ep_balance.json" --plot "$OUT/ep_balance.png"
 
-echo
-echo "================ summary (rebalance, $(( $(date +%s) - T0 ))s, results in $OUT) ================"
-for line in "${SUMMARY[@]}"; do echo "$line"; done
-if [ -f "$OUT/bench.log" ]; then
-  echo
-  echo "benchmark table (also in $OUT/rebalance_bench.json):"
-  grep -E "^rebalance benchmark|moved/layer|^ +[0-9]+ (p2p|disk)" "$OUT/bench.log"
+# p2p only: the bench verified disk and hybrid moves of this checkpoint against fresh loads.
+# The local experts through Triton on the GPUs (both sides of the comparison), torch on CPU.
+if [ "$BACKEND" = nccl ]; then MOE=triton; else MOE=torch; fi
+step cli-v2lite 100 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode p2p \
+  --checkpoint "$CKPT" --kind fp8 --tokens 1024 --moe-backend "$MOE" --json "$OUT/rebalance_nccl_v2lite.json"
+
+step multinode 90 bash -c '
+  port=$((29600 + RANDOM % 300)); pids=()
+  for node in 0 1; do
+    CUDA_VISIBLE_DEVICES=$node '"$PY"' -m torch.distributed.run --nnodes 2 --nproc-per-node 1 \
+      --node-rank $node --master-addr 127.0.0.1 --master-port $port -m fp8_reload rebalance \
+      --backend '"$BACKEND"' --mode p2p,hybrid --tokens 256 --json '"$OUT"'/multinode.json &
+    pids+=($!)
+  done
+  rc=0; for p in "${pids[@]}"; do wait $p || rc=1; done; exit $rc'
+
+if $PY -c "import asv" 2>/dev/null; then
+  step asv 220 bash gpu/rebalance_asv.sh "$OUT"
+else
+  SUMMARY+=("SKIP  asv: asv is not installed here")
 fi
+
+SUM=$(mktemp /tmp/rebalance-summary-XXXX)  # not $LOG itself: the greps below read it
+{
+echo
+echo "================ summary (rebalance 2xGPU, $(( $(date +%s) - T0 ))s, results in $OUT) ================"
+for line in "${SUMMARY[@]}"; do echo "$line"; done
+echo
+echo "-- rebalance benchmark (ms: per call from the driver; rank ms: slowest rank; bound: one"
+echo "   contiguous transfer of the same bytes by the same ranks; phases of the p2p rows below):"
+grep -E "^rebalance benchmark|^whole model|moved/layer" "$LOG" | cut -c1-160
+grep -E "^ +[0-9]+ +(1|all|whole) +(p2p|disk|hybrid|disk-cold) " "$LOG" | cut -c1-94
+grep -E "^ +[1-9][0-9]* +(1|all|whole) +p2p " "$LOG" | sed -E 's/^ +([0-9]+) +([a-z0-9]+) +p2p .*(agree .*)$/  p2p \1 moved, layers \2: \3/'
+grep -E "^p2p, " "$LOG"
+echo
+echo "-- EP forward balance (tokens and MoE ms per rank and layer):"
+grep -E "^EP forward benchmark|^placement|^(start|balanced) +[0-9]|^balanced: |slowest rank / mean per layer|^goal:" "$LOG"
+echo
+echo "-- fp8-reload rebalance runs (EP forward vs single device per rank), multinode, asv:"
+$PY gpu/rebalance_figures.py "$OUT"
 if [ "$FAIL" -eq 0 ]; then echo "rebalance 2xGPU: ALL PASS"; else echo "rebalance 2xGPU: FAILURES above"; fi
+} > "$SUM"
+cat "$SUM"; cat "$SUM" >> "$LOG"; rm -f "$SUM"
 exit "$FAIL"

@@ -15,11 +15,10 @@ from fp8_reload.expert_parallel.placement import (
     balance_placement,
     default_slots_per_rank,
     keep_slots,
-    move_experts,
     pack,
     replicate,
-    synthetic_load,
 )
+from fp8_reload.expert_parallel.workload import move_experts, synthetic_load
 
 
 def test_round_robin_layout():

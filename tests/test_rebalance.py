@@ -10,12 +10,16 @@ start-up dominates the cost on CPU).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fp8_reload.expert_parallel import (
+    MODES,
     Placement,
     RebalanceError,
     RebalancePlan,
@@ -25,6 +29,7 @@ from fp8_reload.expert_parallel import (
     move_experts,
     pack_slots,
     rebalance,
+    row_bytes,
     run_ranks,
     slot_tensors,
     synthetic_load,
@@ -92,6 +97,69 @@ def test_plan_spreads_sending_over_replica_holders():
     assert [f.src_rank for f in plan2.ranks[3].fetch[1].values()] == [0]
 
 
+def _reference_plan(old, new, mode, excluded):
+    """The plan by its definition, one layer, rank and expert at a time: the oracle the
+    vectorized `RebalancePlan.build` must reproduce exactly."""
+    s = old.slots_per_rank
+    out = {r: ({}, {}, {}, {}) for r in range(old.ep_size)}  # changed, fetch, sends, recvs
+    served = [0] * old.ep_size
+    for layer in old.layers:
+        holders = old.logical_to_physical(layer)
+        for dst in range(old.ep_size):
+            before, after = old.rank_experts(layer, dst), new.rank_experts(layer, dst)
+            changed = {k: e for k, (a, e) in enumerate(zip(before, after)) if a != e}
+            if not changed:
+                continue
+            out[dst][0][layer] = changed
+            for e in sorted(set(changed.values())):
+                peers = sorted({p // s for p in holders[e]} - {dst} - set(excluded))
+                if e in before:
+                    f = ("local", dst, before.index(e))
+                elif mode == "disk" or (mode == "hybrid" and not peers):
+                    f = ("disk", -1, -1)
+                elif not peers:
+                    raise ValueError("held only by excluded ranks")
+                else:
+                    src = min(peers, key=lambda r: (served[r], r))
+                    f = ("peer", src, next(p % s for p in holders[e] if p // s == src))
+                    served[src] += 1
+                    out[src][2].setdefault(dst, []).append((layer, f[2]))
+                    out[dst][3].setdefault(src, []).append((layer, e))
+                out[dst][1].setdefault(layer, {})[e] = f
+    return out
+
+
+def _random_placement(draw, layers, experts, ranks, slots):
+    rows = []
+    for _ in layers:
+        extra = draw(st.lists(st.integers(0, experts - 1), min_size=ranks * slots - experts,
+                              max_size=ranks * slots - experts))
+        rows.append(draw(st.permutations(list(range(experts)) + extra)))
+    return Placement(layers, experts, ranks, slots, torch.tensor(rows))
+
+
+@settings(max_examples=150, deadline=None)
+@given(data=st.data(), experts=st.integers(2, 9), ranks=st.integers(1, 4),
+       spare=st.integers(0, 2), n_layers=st.integers(1, 3), mode=st.sampled_from(MODES))
+def test_vectorized_plan_equals_the_definition(data, experts, ranks, spare, n_layers, mode):
+    slots = -(-experts // ranks) + spare
+    layers = tuple(range(1, n_layers + 1))
+    old = _random_placement(data.draw, layers, experts, ranks, slots)
+    new = _random_placement(data.draw, layers, experts, ranks, slots)
+    excluded = data.draw(st.sets(st.integers(0, ranks - 1), max_size=ranks - 1))
+    try:
+        want = _reference_plan(old, new, mode, excluded)
+    except ValueError:
+        with pytest.raises(ValueError, match="held only by excluded ranks"):
+            RebalancePlan.build(old, new, mode, excluded)
+        return
+    plan = RebalancePlan.build(old, new, mode, excluded)
+    for r, p in enumerate(plan.ranks):
+        fetch = {lid: {e: (f.source, f.src_rank, f.src_slot) for e, f in per.items()}
+                 for lid, per in p.fetch.items()}
+        assert (p.changed, fetch, p.sends, p.recvs) == want[r]
+
+
 def test_pack_write_round_trip_keeps_parameters(ckpts):
     start, _ = _hand_placement()
     model = load_rank_model(ckpts["fp8", 0], start, rank=0)
@@ -107,6 +175,26 @@ def test_pack_write_round_trip_keeps_parameters(ckpts):
         b = t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
         assert torch.equal(b[3], b[0]) and torch.equal(b[2], b[4]) and torch.equal(b[1], b[4])
     assert param_ids(model) == ids
+
+
+@pytest.mark.parametrize("offset", [0, 1, 2, 4, 8])
+def test_pack_writes_into_the_given_buffer_at_any_offset(ckpts, offset):
+    """Staging packs straight into the send buffer (no intermediate copy, whatever the
+    buffer's alignment), tensor-major, and unpacking from there restores the slots."""
+    start, _ = _hand_placement()
+    layer = moe_layer_map(load_rank_model(ckpts["fp8", 0], start, rank=0))[1]
+    width = row_bytes(layer)
+    buf = torch.zeros(offset + 2 * width, dtype=torch.uint8)
+    view = buf[offset:]
+    assert pack_slots(layer, [3, 1], out=view).data_ptr() == view.data_ptr()
+    assert not buf[:offset].any()
+    w13 = layer.w13_weight.data.view(torch.uint8).reshape(layer.w13_weight.shape[0], -1)
+    assert torch.equal(view[:2 * w13.shape[1]].view(2, -1), w13[[3, 1]])
+    assert torch.equal(view, pack_slots(layer, [3, 1]))
+    expect = [t[[3, 1]].clone() for t in slot_tensors(layer)]
+    write_slots(layer, [0, 4], view)
+    for t, want in zip(slot_tensors(layer), expect):
+        assert torch.equal(t[[0, 4]].view(torch.uint8), want.view(torch.uint8))
 
 
 # --------------------------------------------------------------------------
@@ -195,6 +283,9 @@ def two_ranks(ckpts, tmp_path_factory):
         Scenario("bf16-hybrid", "bf16", start, [Step(skewed, "hybrid", (0,))]),
         Scenario("rollback", "fp8", start, [Step(hand, "disk", (), str(bad)), Step(hand, "p2p")]),
         Scenario("disagree", "fp8", start, [Step(hand, "p2p")], share_of={1: 0}),
+        Scenario("bad-mode", "fp8", start, [Step(hand, "rdma")]),
+        Scenario("bad-layout", "fp8", start,
+                 [Step(Placement.round_robin(LAYERS, E, ep_size=2, slots_per_rank=6), "p2p")]),
     ]
     return _run(2, scenarios, ck)
 
@@ -234,6 +325,14 @@ def test_ranks_that_disagree_change_nothing(two_ranks):
         assert res["error"] and "disagree" in res["error"] and not res["unchanged"]
 
 
+@pytest.mark.parametrize("name, why", [("bad-mode", "unknown rebalance mode"),
+                                       ("bad-layout", "another layout")])
+def test_a_request_rank_0_cannot_make_changes_nothing(two_ranks, name, why):
+    for res in two_ranks[name, 0]:
+        assert res["error"] and why in res["error"] and "nothing was changed" in res["error"]
+        assert not res["unchanged"] and not res["at_new"] and not res["diffs"]
+
+
 @pytest.fixture(scope="module")
 def four_ranks(ckpts):
     ck = {"fp8": ckpts["fp8", 0], "bf16": ckpts["bf16", 0]}
@@ -267,10 +366,56 @@ def test_rebalance_needs_a_placed_fixed_model(ckpts):
         rebalance(fr.load_model(ckpts["fp8", 0]), None)
 
 
-def test_cli_rebalance(capsys):
+def test_cli_rebalance(capfd, tmp_path):
+    report = tmp_path / "rebalance.json"
     assert main(["rebalance", "--world-size", "2", "--backend", "gloo", "--mode", "all",
-                 "--preset", "tiny"]) == 0
-    out = capsys.readouterr().out
+                 "--preset", "tiny", "--tokens", "64", "--json", str(report)]) == 0
+    captured = capfd.readouterr()
+    out = captured.out
     assert "OK: every rank equals a fresh load" in out
     for mode in ("p2p", "disk", "hybrid"):
         assert out.count(f" {mode} ") >= 2
+    # the EP forward before -> after, per rank, and a progress line per step
+    assert "slowest rank / mean per MoE layer: tokens" in out and out.count("matches: ") == 6
+    assert [f"step {i}/3" in captured.err for i in (1, 2, 3)] == [True] * 3
+    rows = json.loads(report.read_text())
+    assert len(rows) == 6 and all(r["forward_matches"] and r["equals_fresh_load"] for r in rows)
+    for mode in ("p2p", "disk", "hybrid"):
+        ranks = [r for r in rows if r["mode"] == mode]
+        pairs = 2 * 64 * 2 * 2  # ranks x tokens x top-k x MoE layers
+        assert sum(r["tokens_before"] for r in ranks) == sum(r["tokens_after"] for r in ranks) == pairs
+        assert all(r["forward_calc_diff"] <= r["forward_bound"] for r in ranks)
+
+
+def test_cli_rebalance_fails_when_a_forward_does_not_match(capsys):
+    """--forward-bound 0 demands bitwise equality, which ranks quantizing activations with
+    their own scales do not give: the command must say so and exit 1."""
+    assert main(["rebalance", "--world-size", "2", "--backend", "gloo", "--preset", "tiny",
+                 "--tokens", "32", "--forward-bound", "0"]) == 1
+    out = capsys.readouterr().out
+    assert "DOES NOT MATCH" in out and out.rstrip().endswith("single-device forward")
+
+
+@pytest.mark.parametrize("args, why", [
+    (["--mode", "bogus"], "unknown --mode"),
+    (["--world-size", "0"], "--world-size must be >= 1"),
+    (["--kind", "int4"], "--kind"),
+    (["--preset", "huge"], "argument --preset: invalid choice"),
+    (["--num-layers", "1"], "argument --num-layers: must be at least 2"),
+    (["--slots-per-rank", "3"], "cannot hold 8 experts"),
+    (["--alpha", "-1"], "--alpha"),
+    (["--tokens", "0"], "--tokens"),
+    (["--exclude-sources", "5"], "ranks lie in [0, 2)"),
+    (["--moe-backend", "nope"], "--moe-backend nope"),
+    (["--checkpoint", "/nonexistent"], "no config.json"),
+])
+def test_cli_rebalance_refuses_bad_requests_in_one_line(capsys, args, why):
+    try:  # argparse's own checks exit; the command's return 2
+        code = main(["rebalance", "--backend", "gloo", *args])
+    except SystemExit as e:
+        code = e.code
+    assert code == 2
+    err = capsys.readouterr().err
+    last = err.strip().splitlines()[-1]  # argparse's refusals print the usage above the line
+    assert last.startswith("fp8-reload rebalance: error: ") and why in last
+    assert err.count("\n") == 1 or err.startswith("usage: fp8-reload rebalance")

@@ -74,3 +74,13 @@ def global_rank(group, rank: int) -> int:
 def comm_device(model_device: torch.device, group) -> torch.device:
     """Where the group's tensors must live: host memory for gloo, the model's GPU for nccl."""
     return torch.device("cpu") if dist.get_backend(group) == "gloo" else model_device
+
+
+def failed_ranks(error: BaseException | None, group, device) -> list[int]:
+    """The ranks of `group` whose `error` is not None, known to every rank (one all-gather):
+    a collective step that fails on one rank fails on all of them together, none waits."""
+    world = dist.get_world_size(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(flag) for _ in range(world)]
+    dist.all_gather(flags, flag, group=group)
+    return [r for r, f in enumerate(torch.cat(flags).tolist()) if f]

@@ -35,7 +35,8 @@ def encode(obj):
     """JSON-ready form of a rank's result: keeps tuples, non-string dict keys and reports."""
     if dataclasses.is_dataclass(obj) and type(obj).__name__ in _REPORTS:
         return {"__report__": type(obj).__name__,
-                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)}}
+                "fields": {f.name: encode(getattr(obj, f.name)) for f in dataclasses.fields(obj)
+                           if f.init}}
     if isinstance(obj, torch.Tensor):
         return {"__tensor__": obj.tolist(), "dtype": str(obj.dtype).removeprefix("torch.")}
     if isinstance(obj, dict):
@@ -106,12 +107,12 @@ def run_ranks(fn: Callable, world_size: int, backend: str, *args) -> list:
 # A persistent pool of ranks (the benchmarks time rebalances on it)
 # --------------------------------------------------------------------------
 
-def _pool_worker(rank, world, backend, port, checkpoint, start, conn):
+def _pool_worker(rank, world, backend, port, checkpoint, start, conn, builder):
     os.environ["LOCAL_RANK"] = str(rank)
     try:
         share_cpu(backend, world)
         device = init_rank(backend, rank, world, f"tcp://127.0.0.1:{port}")
-        model = load_rank_model(checkpoint, start, rank, device)
+        model = (builder or load_rank_model)(checkpoint, start, rank, device)
         warm_up_p2p()
         conn.send(("ok", str(device)))
     except BaseException:
@@ -129,6 +130,9 @@ def _pool_worker(rank, world, backend, port, checkpoint, start, conn):
                 report = rebalance(model, new if rank == 0 else None, mode=mode,
                                    exclude_sources=exclude)
                 conn.send(("ok", {"wall_s": time.perf_counter() - t0, "report": report}))
+            elif cmd == "call":
+                fn, fargs = args
+                conn.send(("ok", fn(model, *fargs)))
             elif cmd == "verify":
                 fresh = load_rank_model(checkpoint, model.placement, rank, device)
                 diffs = compare_states(snapshot(model), snapshot(fresh))
@@ -147,10 +151,13 @@ class RankPool:
 
     The benchmarks time rebalances on it without paying process start-up,
     process-group set-up, NCCL communicator set-up or model loading each time.
+    `builder(checkpoint, start, rank, device)` makes a rank's model (default:
+    `load_rank_model`); `call(fn, *args)` runs ``fn(model, *args)`` on every rank
+    (`fn` importable by name: it crosses a process boundary).
     """
 
     def __init__(self, world_size: int, backend: str, checkpoint, start: Placement,
-                 timeout_s: float = 600.0):
+                 timeout_s: float = 600.0, builder: Callable | None = None):
         ctx = mp.get_context("spawn")
         port = free_port()
         self.world_size, self.backend, self.checkpoint = world_size, backend, str(checkpoint)
@@ -160,7 +167,8 @@ class RankPool:
         for rank in range(world_size):
             parent, child = ctx.Pipe()
             proc = ctx.Process(target=_pool_worker, daemon=True, name=f"fp8-reload-rank{rank}",
-                               args=(rank, world_size, backend, port, self.checkpoint, start, child))
+                               args=(rank, world_size, backend, port, self.checkpoint, start, child,
+                                     builder))
             proc.start()
             child.close()
             self.conns.append(parent)
@@ -195,6 +203,10 @@ class RankPool:
         out = self._call("rebalance", new, mode, tuple(exclude_sources))
         self.placement = new
         return out
+
+    def call(self, fn: Callable, *args) -> list:
+        """``fn(model, *args)`` on every rank (collectively); results by rank."""
+        return self._call("call", fn, args)
 
     def verify(self) -> list[list[str]]:
         """Per rank: differences from a fresh load under the current placement."""

@@ -19,9 +19,10 @@ occupied, so a rebalance moves as few experts as the new balance allows.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -40,11 +41,36 @@ class Placement:
     ep_size: int
     slots_per_rank: int
     table: torch.Tensor  # [len(layers), ep_size * slots_per_rank] int64, CPU
+    # Values derived from the (immutable) table, computed once: dispatch tables, fingerprint.
+    _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
         object.__setattr__(self, "table", torch.as_tensor(self.table, dtype=torch.long).cpu().contiguous())
         self.validate()
+
+    def __getstate__(self):  # derived values may live on a GPU: never pickle them
+        return {k: v for k, v in self.__dict__.items() if k != "_derived"}
+
+    def __setstate__(self, state):
+        self.__dict__.update(state, _derived={})
+
+    def derived(self, key, build: Callable):
+        """`build()`, computed once per placement and `key` (placements are immutable)."""
+        try:
+            return self._derived[key]
+        except KeyError:
+            value = self._derived[key] = build()
+            return value
+
+    def fingerprint(self) -> int:
+        """A 63-bit digest of layout and table: ranks compare it to agree on a placement."""
+        def digest() -> int:
+            h = hashlib.blake2b(digest_size=8)
+            h.update(repr((self.layers, self.num_experts, self.ep_size, self.slots_per_rank)).encode())
+            h.update(self.table.numpy().tobytes())
+            return int.from_bytes(h.digest(), "little") & (2**63 - 1)
+        return self.derived("fingerprint", digest)
 
     # ----- construction -----
     @classmethod
@@ -84,11 +110,11 @@ class Placement:
                              f"slots cannot hold {self.num_experts} experts")
         if self.table.numel() and (int(self.table.min()) < 0 or int(self.table.max()) >= self.num_experts):
             raise ValueError(f"expert ids must lie in [0, {self.num_experts})")
-        for i, layer in enumerate(self.layers):
-            held = torch.bincount(self.table[i], minlength=self.num_experts)
-            missing = (held == 0).nonzero().flatten().tolist()
-            if missing:
-                raise ValueError(f"layer {layer}: experts {missing} have no replica")
+        if self.table.numel():
+            held = self.replicas()
+            for i in (held == 0).any(1).nonzero().flatten().tolist():
+                missing = (held[i] == 0).nonzero().flatten().tolist()
+                raise ValueError(f"layer {self.layers[i]}: experts {missing} have no replica")
 
     # ----- queries -----
     @property
@@ -133,7 +159,8 @@ class Placement:
 
     def replicas(self) -> torch.Tensor:
         """[layers, num_experts] replica count of each logical expert."""
-        return torch.stack([torch.bincount(r, minlength=self.num_experts) for r in self.table])
+        counts = torch.zeros(len(self.layers), self.num_experts, dtype=torch.long)
+        return counts.scatter_add_(1, self.table, torch.ones_like(self.table))
 
     def rank_load(self, load: torch.Tensor) -> torch.Tensor:
         """[layers, ep_size] load each rank serves when tokens split evenly over replicas."""
@@ -286,63 +313,3 @@ def balance_placement(load, old: Placement) -> Placement:
         table = torch.where(worse[:, None], old.table, new.table)
         new = Placement(old.layers, old.num_experts, r, s, table)
     return new
-
-
-def synthetic_load(layers: Sequence[int], num_experts: int, seed: int = 0, alpha: float = 1.2,
-                   tokens: int = 8192) -> torch.Tensor:
-    """Skewed per-expert token counts [layers, experts]: Zipf(alpha) over a
-    per-layer random order of experts, plus multinomial sampling noise.
-
-    Deterministic in (seed, layers, num_experts): ranks draw with their own seed
-    and sum (all-reduce) the counts, as EPLB's statistics are gathered.
-    """
-    rows = []
-    for layer in layers:
-        g = torch.Generator().manual_seed(seed * 100_003 + int(layer))
-        order = torch.randperm(num_experts, generator=g)
-        p = torch.empty(num_experts, dtype=torch.float64)
-        p[order] = 1.0 / torch.arange(1, num_experts + 1, dtype=torch.float64) ** alpha
-        counts = torch.bincount(torch.multinomial(p, tokens, replacement=True, generator=g),
-                                minlength=num_experts)
-        rows.append(counts.to(torch.float64))
-    return torch.stack(rows)
-
-
-def move_experts(old: Placement, per_layer: int, seed: int = 0) -> Placement:
-    """A placement that differs from `old` in exactly `2 * per_layer` physical slots
-    of each layer: `per_layer` disjoint pairs of slots on different ranks, holding
-    different experts, swap contents (each pair moves two experts across ranks).
-
-    The benchmarks use it to control how many experts a rebalance moves.
-    """
-    if per_layer == 0:
-        return old
-    if old.ep_size < 2:
-        raise ValueError("moving experts across ranks needs ep_size >= 2")
-    g = torch.Generator().manual_seed(seed)
-    rows = old.table.clone()
-    s = old.slots_per_rank
-    for i in range(len(old.layers)):
-        row = rows[i]
-        used: set[int] = set()
-        order = torch.randperm(old.num_physical, generator=g).tolist()
-        pairs = 0
-        for a in order:
-            if pairs == per_layer:
-                break
-            if a in used:
-                continue
-            partner = next((b for b in order if b not in used and b != a and b // s != a // s
-                            and int(row[b]) != int(row[a])
-                            and int(row[b]) not in row[(a // s) * s:(a // s + 1) * s].tolist()
-                            and int(row[a]) not in row[(b // s) * s:(b // s + 1) * s].tolist()),
-                           None)
-            if partner is None:
-                continue
-            row[a], row[partner] = int(row[partner]), int(row[a])
-            used.update((a, partner))
-            pairs += 1
-        if pairs < per_layer:
-            raise ValueError(f"cannot move {per_layer} expert pairs in layer {old.layers[i]} "
-                             f"({pairs} possible)")
-    return Placement(old.layers, old.num_experts, old.ep_size, s, rows)

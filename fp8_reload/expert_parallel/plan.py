@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import torch
+
 from .placement import Placement
 
 MODES = ("p2p", "disk", "hybrid")
@@ -63,48 +65,82 @@ class RebalancePlan:
     @classmethod
     def build(cls, old: Placement, new: Placement, mode: str = "p2p",
               exclude_sources: Iterable[int] = ()) -> RebalancePlan:
+        """The plan of every rank, from whole-model tensor ops over the [layers, ranks,
+        slots] tables: planning costs one pass over the changed slots, whatever the
+        number of layers. Peers serving an expert are chosen greedily in (layer, rank,
+        expert) order, each time the candidate that has served the fewest so far."""
         if mode not in MODES:
             raise ValueError(f"unknown rebalance mode {mode!r}; choose one of {', '.join(MODES)}")
         old._check_same_layout(new)
         excluded = frozenset(int(r) for r in exclude_sources)
-        ranks = [RankPlan(r) for r in range(old.ep_size)]
-        served = [0] * old.ep_size  # experts each rank sends: spread the sending load
-        for layer in old.layers:
-            holders = old.logical_to_physical(layer)
-            for dst in range(old.ep_size):
-                before = old.rank_experts(layer, dst)
-                after = new.rank_experts(layer, dst)
-                changed = {s: e for s, (a, e) in enumerate(zip(before, after)) if a != e}
-                if not changed:
-                    continue
-                ranks[dst].changed[layer] = changed
-                fetches = {}
-                for e in sorted(set(changed.values())):
-                    fetches[e] = cls._source(layer, e, dst, before, holders, mode, excluded,
-                                             served, old.slots_per_rank)
-                    f = fetches[e]
-                    if f.source == "peer":
-                        served[f.src_rank] += 1
-                        ranks[f.src_rank].sends.setdefault(dst, []).append((layer, f.src_slot))
-                        ranks[dst].recvs.setdefault(f.src_rank, []).append((layer, e))
-                ranks[dst].fetch[layer] = fetches
+        n_layers, r, s, e = len(old.layers), old.ep_size, old.slots_per_rank, old.num_experts
+        before = old.table.view(n_layers, r, s)
+        after = new.table.view(n_layers, r, s)
+        ranks = [RankPlan(k) for k in range(r)]
+
+        # Changed slots, in (layer, rank, slot) order, and the distinct experts each
+        # (layer, rank) must obtain, in (layer, rank, expert) order.
+        where = (before != after).nonzero()
+        wanted = after[where[:, 0], where[:, 1], where[:, 2]]
+        key = torch.unique((where[:, 0] * r + where[:, 1]) * e + wanted)
+        item_layer, item_rank, item_expert = key // (r * e), key // e % r, key % e
+        # first[l, k, x]: the first slot of rank k holding expert x in layer l (s: none)
+        first = torch.full((n_layers, r, e), s, dtype=torch.long).scatter_reduce_(
+            2, before, torch.arange(s).expand(n_layers, r, s), "amin")
+        held = first[item_layer, :, item_expert] < s  # [items, ranks]
+        local = held[torch.arange(key.numel()), item_rank]
+        peer = held.clone()
+        peer[torch.arange(key.numel()), item_rank] = False
+        if excluded:
+            peer[:, sorted(k for k in excluded if 0 <= k < r)] = False
+        source = cls._serve(local, peer, mode, item_layer, item_expert, old.layers, excluded)
+
+        for (li, k, slot), x in zip(where.tolist(), wanted.tolist()):
+            ranks[k].changed.setdefault(old.layers[li], {})[slot] = x
+        src_slot = first[item_layer, torch.where(local, item_rank, source.clamp(min=0)), item_expert]
+        for li, k, x, is_local, src, slot in zip(item_layer.tolist(), item_rank.tolist(),
+                                                  item_expert.tolist(), local.tolist(),
+                                                  source.tolist(), src_slot.tolist()):
+            layer = old.layers[li]
+            if is_local:
+                f = Fetch(layer, x, "local", k, slot)
+            elif src < 0:
+                f = Fetch(layer, x, "disk")
+            else:
+                f = Fetch(layer, x, "peer", src, slot)
+                ranks[src].sends.setdefault(k, []).append((layer, slot))
+                ranks[k].recvs.setdefault(src, []).append((layer, x))
+            ranks[k].fetch.setdefault(layer, {})[x] = f
         return cls(old, new, mode, excluded, ranks)
 
     @staticmethod
-    def _source(layer, e, dst, before, holders, mode, excluded, served, slots_per_rank) -> Fetch:
-        if e in before:
-            return Fetch(layer, e, "local", dst, before.index(e))
-        if mode == "disk":
-            return Fetch(layer, e, "disk")
-        peers = sorted({p // slots_per_rank for p in holders[e]} - {dst} - excluded)
-        if not peers:
-            if mode == "hybrid":
-                return Fetch(layer, e, "disk")
-            raise ValueError(f"layer {layer}: expert {e} is held only by excluded ranks "
-                             f"{sorted(excluded)}; use mode 'hybrid' or 'disk'")
-        src = min(peers, key=lambda r: (served[r], r))
-        slot = next(p % slots_per_rank for p in holders[e] if p // slots_per_rank == src)
-        return Fetch(layer, e, "peer", src, slot)
+    def _serve(local, peer, mode, item_layer, item_expert, layers, excluded) -> torch.Tensor:
+        """The serving peer of each item (-1: local or disk). Items with one candidate
+        are decided at once; the rest greedily, counting what each peer served before."""
+        n_items, n_ranks = peer.shape
+        source = torch.full((n_items,), -1, dtype=torch.long)
+        if mode == "disk" or not n_items:
+            return source
+        need = ~local
+        n_cand = peer.sum(1)
+        orphan = need & (n_cand == 0)
+        if mode == "p2p" and bool(orphan.any()):
+            i = int(orphan.nonzero()[0])
+            raise ValueError(f"layer {layers[int(item_layer[i])]}: expert {int(item_expert[i])} "
+                             f"is held only by excluded ranks {sorted(excluded)}; use mode "
+                             "'hybrid' or 'disk'")
+        single = need & (n_cand == 1)
+        source[single] = peer[single].int().argmax(1)
+        served_before = torch.zeros(n_items, n_ranks, dtype=torch.long)
+        served_before[single, source[single]] = 1
+        served_before = (served_before.cumsum(0) - served_before).tolist()
+        extra = [0] * n_ranks
+        for i in (need & (n_cand > 1)).nonzero().flatten().tolist():
+            cands = peer[i].nonzero().flatten().tolist()
+            src = min(cands, key=lambda k: (served_before[i][k] + extra[k], k))
+            extra[src] += 1
+            source[i] = src
+        return source
 
     def summary(self) -> str:
         parts = [f"r{p.rank}: {p.slots_changed} slots, {p.count('local')} local / "

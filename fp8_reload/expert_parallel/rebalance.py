@@ -36,7 +36,9 @@ Works with ``gloo`` on CPU and ``nccl`` on GPUs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
+from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
 
 import torch
@@ -46,9 +48,9 @@ from ..device import synchronize
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel, FusedMoE
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
-from .group import comm_device, global_rank
+from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
-from .plan import RebalancePlan
+from .plan import MODES, RebalancePlan
 from .slots import (
     RebalanceError,
     moe_layer_map,
@@ -103,24 +105,59 @@ class _Timer:
 
 def _agree(old: Placement, new: Placement | None, mode: str, exclude_sources, group,
            device, holds_rank: bool) -> tuple[Placement, str, frozenset]:
-    """Rank 0's (old, new, mode, exclusions) on every rank; every rank must hold `old`
-    (and its own share of it: `holds_rank`)."""
-    rank = dist.get_rank(group)
-    payload = [None]
-    if rank == 0 and new is not None:
-        payload = [(old.table, new, mode, sorted(exclude_sources))]
-    dist.broadcast_object_list(payload, src=global_rank(group, 0), group=group, device=device)
-    if payload[0] is None:
-        raise RebalanceError("rank 0 passed no new placement; nothing was changed")
-    old_table, new0, mode0, excl0 = payload[0]
-    same = torch.tensor([int(torch.equal(old_table, old.table) and holds_rank
-                             and old.ep_size == dist.get_world_size(group))],
-                        dtype=torch.int64, device=device)
-    dist.all_reduce(same, op=dist.ReduceOp.MIN, group=group)
-    if not int(same.item()):
+    """Rank 0's (new placement, mode, exclusions) on every rank, once every rank is known to
+    hold the same old placement (and its own share of it: `holds_rank`).
+
+    Two small collectives whatever the model size: an all-reduce of each rank's placement
+    fingerprint (min of x and of -x: all equal iff min == max) and a broadcast of one int64
+    tensor (status, mode, exclusion mask, new table). Nothing is pickled.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    fp = old.fingerprint()
+    ok = int(holds_rank and old.ep_size == world)
+    votes = torch.tensor([fp, -fp, ok], dtype=torch.int64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    low, neg_high, all_ok = votes.tolist()
+    if low != -neg_high or not all_ok:
         raise RebalanceError("ranks disagree on the current placement (or a rank holds another "
                              "rank's share, or ep_size is not the world size); nothing was changed")
-    return new0, mode0, frozenset(excl0)
+    cells = old.table.numel()
+    payload = torch.zeros(2 + world + cells, dtype=torch.int64)
+    if rank == 0:
+        status = _request_status(old, new, mode)
+        payload[0] = status
+        if status == 1:
+            payload[1] = MODES.index(mode)
+            payload[2:2 + world][[k for k in sorted(set(exclude_sources)) if 0 <= k < world]] = 1
+            payload[2 + world:] = new.table.reshape(-1)
+    payload = payload.to(device)
+    dist.broadcast(payload, src=global_rank(group, 0), group=group)
+    payload = payload.cpu()
+    status = int(payload[0])
+    if status != 1:
+        raise RebalanceError(_REFUSED[status] + "; nothing was changed")
+    excluded = frozenset(payload[2:2 + world].nonzero().flatten().tolist())
+    if rank != 0:
+        table = payload[2 + world:].view_as(old.table)
+        new = Placement(old.layers, old.num_experts, old.ep_size, old.slots_per_rank, table)
+    return new, MODES[int(payload[1])], excluded
+
+
+_REFUSED = {0: "rank 0 passed no new placement",
+            -1: "rank 0's new placement has another layout (layers, experts, ranks or slots "
+                "per rank) than the current one",
+            -2: f"cannot plan the rebalance: rank 0 asked for an unknown rebalance mode; choose "
+                f"one of {', '.join(MODES)}"}
+
+
+def _request_status(old: Placement, new: Placement | None, mode: str) -> int:
+    if new is None:
+        return 0
+    try:
+        old._check_same_layout(new)
+    except ValueError:
+        return -1
+    return 1 if mode in MODES else -2
 
 
 def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
@@ -132,6 +169,11 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     the model was loaded from) serves the experts taken from disk. Returns this
     rank's report. Raises `RebalanceError` on every rank if any rank failed,
     after every rank restored its old state.
+
+    Forwards of this rank keep running while the plan is made and the outgoing
+    experts are packed; from the first write (disk reads, new slot maps) to the
+    end (commit, or roll back) the rebalance holds the weights lock exclusively,
+    so a forward sees the old placement and weights or the new ones, never a mix.
     """
     old: Placement | None = getattr(model, "placement", None)
     if old is None:
@@ -150,6 +192,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     with model.reload_lock:
         new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm,
                                      holds_rank=getattr(model, "ep_rank", rank) == rank)
+        t = timer.mark("agree", t, sync=False)
         report.mode = mode
         try:  # every rank has the same inputs, so every rank fails here alike
             plan = RebalancePlan.build(old, new, mode, excluded)
@@ -160,7 +203,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         report.experts_local, report.experts_p2p, report.experts_disk = (
             mine.count("local"), mine.count("peer"), mine.count("disk"))
         report.experts_sent = sum(len(v) for v in mine.sends.values())
-        t = timer.mark("plan", t)
+        t = timer.mark("plan", t, sync=False)
 
         error: BaseException | None = None
         backup: dict[int, tuple] = {}
@@ -168,6 +211,18 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         send_bufs = {p: _alloc(layers, items, comm) for p, items in mine.sends.items()}
         recv_bufs = {p: _alloc(layers, items, comm) for p, items in mine.recvs.items()}
         try:
+            for peer, items in mine.sends.items():  # first: the exchange starts sooner
+                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
+                    pack_slots(layers[lid], part, out=buf)
+        except Exception as e:  # still take part in the exchange, then fail together
+            error = e
+        t = timer.mark("stage", t)
+        works = _post_exchange(send_bufs, recv_bufs, group)
+        report.bytes_sent = sum(b.numel() for b in send_bufs.values())
+        report.bytes_received = sum(b.numel() for b in recv_bufs.values())
+        t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
+
+        try:  # backups and local copies while the exchange is in flight
             for lid, changed in mine.changed.items():
                 layer = layers[lid]
                 slots = sorted(changed)
@@ -178,79 +233,101 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                     packed = pack_slots(layer, [s for _, s in local])
                     chunks.setdefault(lid, []).append(([e for e, _ in local], packed))
                     report.bytes_local += packed.numel()
-            for peer, items in mine.sends.items():
-                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
-                    pack_slots(layers[lid], part, out=buf)
-        except Exception as e:  # still take part in the exchange, then fail together
-            error = e
-        t = timer.mark("stage", t)
-
-        ops = []
-        for peer in sorted(set(send_bufs) | set(recv_bufs)):
-            if peer in send_bufs:
-                ops.append(dist.P2POp(dist.isend, send_bufs[peer], global_rank(group, peer), group))
-            if peer in recv_bufs:
-                ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], global_rank(group, peer), group))
-        works = dist.batch_isend_irecv(ops) if ops else []
-        report.bytes_sent = sum(b.numel() for b in send_bufs.values())
-        report.bytes_received = sum(b.numel() for b in recv_bufs.values())
-        t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
-
-        # Disk experts load while the exchange is in flight, through the new slot maps.
-        try:
-            if error is None:
-                for lid, layer in layers.items():
-                    layer.expert_slots = new.local_slots(lid, rank)
-                wanted = mine.disk_experts()
-                if wanted:
-                    path = checkpoint if checkpoint is not None else model.checkpoint_path
-                    rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
-                    report.disk_report = rep
-                    report.bytes_disk = rep.bytes_read
-            t = timer.mark("disk", t)
-        except Exception as e:
-            error = e
-        try:
-            for w in works:
-                w.wait()
         except Exception as e:
             error = error or e
-        t = timer.mark("exchange", t)
+        t = timer.mark("stage", t)
 
-        try:
-            if error is None:
-                for peer, items in mine.recvs.items():
-                    for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
-                        chunks.setdefault(lid, []).append((experts, buf))
-                for lid, changed in mine.changed.items():
-                    layer = layers[lid]
-                    for experts, packed in chunks.get(lid, []):
-                        dst, rows = [], []
-                        for i, e in enumerate(experts):
-                            for s in sorted(changed):
-                                if changed[s] == e:
-                                    dst.append(s)
-                                    rows.append(i)
-                        write_slots(layer, dst, packed, rows)
-                    refresh_merged_input_scales(layer)
-                    layer.weights_version += 1
-                if mine.changed:
-                    clear_kernel_caches(model)
-                synchronize(model)
-        except Exception as e:
-            error = e
-        t = timer.mark("commit", t)
-
-        failed = _gather_failures(error, group, comm)
-        if failed:
-            _restore(model, layers, backup, old, rank)
-            t = timer.mark("rollback", t)
-            here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
-            raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled back "
-                                 f"to the old placement{here}") from error
-        model.placement = new
+        with ExitStack() as held:
+            # From here the model changes: running forwards finish, new ones wait.
+            try:
+                held.enter_context(model.weights_lock.write())
+                locked = True
+            except RuntimeError as e:  # called from inside a forward of this model
+                error, locked = error or e, False
+            synchronize(device)
+            t = timer.mark("wait", t)
+            if locked:
+                error = _write(model, layers, mine, new, rank, checkpoint, works, recv_bufs,
+                               chunks, report, timer, t, error)
+            else:  # write nothing, but let the exchange finish before failing together
+                with suppress(Exception):  # already failing: the first error is reported
+                    _wait(works)
+            t = time.perf_counter()
+            failed = failed_ranks(error, group, comm)
+            if failed:
+                if locked:
+                    _restore(model, layers, backup, old, rank)
+                t = timer.mark("rollback", t)
+                here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
+                raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled "
+                                     f"back to the old placement{here}") from error
+            model.placement = new
+            timer.mark("outcome", t)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _post_exchange(send_bufs, recv_bufs, group) -> list:
+    """One `batch_isend_irecv` of every peer buffer, both directions; returns the works."""
+    ops = []
+    for peer in sorted(set(send_bufs) | set(recv_bufs)):
+        if peer in send_bufs:
+            ops.append(dist.P2POp(dist.isend, send_bufs[peer], global_rank(group, peer), group))
+        if peer in recv_bufs:
+            ops.append(dist.P2POp(dist.irecv, recv_bufs[peer], global_rank(group, peer), group))
+    return dist.batch_isend_irecv(ops) if ops else []
+
+
+def _wait(works) -> None:
+    for w in works:
+        w.wait()
+
+
+def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, recv_bufs, chunks,
+           report: RebalanceReport, timer: _Timer, t: float, error) -> BaseException | None:
+    """Under the write lock: disk experts (through the new slot maps) while the exchange is
+    in flight, then every received and local row into its slots. Returns the first error."""
+    try:
+        if error is None:
+            for lid, layer in layers.items():
+                layer.expert_slots = new.local_slots(lid, rank)
+            wanted = mine.disk_experts()
+            if wanted:
+                path = checkpoint if checkpoint is not None else model.checkpoint_path
+                rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
+                report.disk_report = rep
+                report.bytes_disk = rep.bytes_read
+        t = timer.mark("disk", t)
+    except Exception as e:
+        error = e
+    try:
+        _wait(works)
+    except Exception as e:
+        error = error or e
+    t = timer.mark("exchange", t)
+    try:
+        if error is None:
+            for peer, items in mine.recvs.items():
+                for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
+                    chunks.setdefault(lid, []).append((experts, buf))
+            for lid, changed in mine.changed.items():
+                layer = layers[lid]
+                slots_of: dict[int, list[int]] = {}  # new expert -> the slots it fills
+                for s in sorted(changed):
+                    slots_of.setdefault(changed[s], []).append(s)
+                for experts, packed in chunks.get(lid, []):
+                    dst = [s for e in experts for s in slots_of[e]]
+                    rows = [i for i, e in enumerate(experts) for _ in slots_of[e]]
+                    write_slots(layer, dst, packed, rows)
+                refresh_merged_input_scales(layer)
+                layer.weights_version += 1
+            if mine.changed:
+                clear_kernel_caches(model)
+            synchronize(model)
+    except Exception as e:
+        error = e
+    timer.mark("commit", t)
+    return error
 
 
 def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
@@ -259,8 +336,9 @@ def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
 
 def _alloc(layers, items, device) -> torch.Tensor:
     """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
-    return torch.empty(sum(row_bytes(layers[lid]) for lid, _ in items), dtype=torch.uint8,
-                       device=device)
+    per_layer = Counter(lid for lid, _ in items)
+    return torch.empty(sum(n * row_bytes(layers[lid]) for lid, n in per_layer.items()),
+                       dtype=torch.uint8, device=device)
 
 
 def _segments(layers, items, buf: torch.Tensor):
@@ -279,14 +357,6 @@ def _segments(layers, items, buf: torch.Tensor):
         yield lid, [x for _, x in items[i:j]], buf[off:off + n]
         off += n
         i = j
-
-
-def _gather_failures(error, group, device) -> list[int]:
-    world = dist.get_world_size(group)
-    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
-    flags = [torch.zeros_like(flag) for _ in range(world)]
-    dist.all_gather(flags, flag, group=group)
-    return [r for r, f in enumerate(flags) if int(f.item())]
 
 
 def _restore(model, layers, backup, old: Placement, rank: int) -> None:

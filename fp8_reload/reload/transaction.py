@@ -178,8 +178,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 ckpt = open_checkpoint(model, path)
                 stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
-                # a full reload's plan depends only on the model and these files: kept with
-                # the parsed checkpoint (the files unchanged), as EPLB and RL reload it again
+                # a full reload's plan depends only on the model and the parsed checkpoint:
+                # kept with it (the files unchanged), as EPLB and RL reload it again
                 key = id(model) if streaming and weight_name_filter is None else None
                 if key is not None and key in ckpt.plans:
                     names, targets = ckpt.plans[key]

@@ -4,6 +4,7 @@
     bench      CUDA-event / graph / profiler timing, interleaved comparisons
     workloads  synthetic MoE layers, routed tokens, grouped-GEMM operands, FLOP counts
     reference  a float32 reference forward of the whole model
+    ep_bench   what the expert-parallel benchmarks run inside each rank (imported by name)
 """
 
 from ..device import synchronize

@@ -137,12 +137,14 @@ def _write_checkpoint(sub) -> None:
 
 
 def _rebalance(sub) -> None:
-    r = _command(sub, "rebalance", "expert-parallel rebalance across ranks, checked on every rank",
-                 "Spawns ranks (torch.distributed), loads each rank's share of a checkpoint, "
-                 "rebalances the experts for a skewed synthetic load by P2P, from disk or both, "
-                 "and compares every rank's state with a fresh load under the new placement.",
-                 _run("rebalance"))
-    r.add_argument("--world-size", type=_int_at_least(1), default=2,
+    r = _command(sub, "rebalance", "expert-parallel forward and rebalance across ranks, checked "
+                 "on every rank",
+                 "Spawns ranks (torch.distributed), loads each rank's share of a checkpoint, runs "
+                 "the expert-parallel forward, rebalances the experts for a skewed synthetic load "
+                 "by P2P, from disk or both, runs the forward again, and compares every rank's "
+                 "state with a fresh load under the new placement and its forward with the "
+                 "single-device one.", _run("rebalance"))
+    r.add_argument("--world-size", type=int, default=2,
                    help="ranks to spawn (under torchrun: taken from WORLD_SIZE)")
     r.add_argument("--backend", choices=("gloo", "nccl"), default=None,
                    help="torch.distributed backend (default: nccl when there is one GPU per "
@@ -152,14 +154,23 @@ def _rebalance(sub) -> None:
     r.add_argument("--kind", default="fp8", help="checkpoint kind: fp8, bf16 or fp8,bf16")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="use this checkpoint (default: write one to a temporary directory)")
-    r.add_argument("--slots-per-rank", type=_int_at_least(1), default=None,
+    r.add_argument("--slots-per-rank", type=int, default=None,
                    help="physical expert slots per rank (default: ceil(experts / ranks) + 1)")
     r.add_argument("--exclude-sources", type=int, nargs="*", default=[1], metavar="RANK",
                    help="hybrid only: ranks that may not serve experts by P2P, so experts only "
                         "they hold come from disk")
     r.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the load")
     r.add_argument("--alpha", type=float, default=1.2, help="Zipf skew of the synthetic load")
-    r.add_argument("--no-check", action="store_true", help="skip the fresh-load comparison")
+    r.add_argument("--tokens", type=int, default=256,
+                   help="tokens per rank routed through every MoE layer")
+    r.add_argument("--moe-backend", default=None,
+                   help="MoE forward backend of the ranks' local experts (default: torch)")
+    r.add_argument("--forward-bound", type=float, default=4e-3,
+                   help="calc_diff the EP forward may differ from the single-device forward by "
+                        "(CROSS_SCHEME_BOUND: ranks quantize activations with their own scales; "
+                        "0 demands bitwise equality)")
+    r.add_argument("--no-check", action="store_true",
+                   help="skip the fresh-load and single-device comparisons")
     r.add_argument("--json", default=None, metavar="OUT",
                    help="also write per-rank results to this JSON file (default: none)")
 

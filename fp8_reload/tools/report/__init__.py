@@ -18,6 +18,7 @@ pandas and matplotlib are imported on use.
     tables  headline figures against targets, forward and block-scale tables
     plots   reload_vs_fraction.png, forward_tflops.png
     write   headline.md and the CSV files
+    rebalance  expert-parallel tables: rebalance vs the link's bound, EP forward balance
 """
 
 from .load import load_results, machine_info

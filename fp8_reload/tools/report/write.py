@@ -9,6 +9,7 @@ from ..markdown import markdown_table
 from ..usage import UsageError
 from .load import load_results, machine_info, result_dirs
 from .plots import plot_forward, plot_reload
+from .rebalance import ep_forward_table, rebalance_table
 from .tables import forward_table, headline, scales_table
 
 
@@ -65,6 +66,7 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
         sc.to_csv(out_dir / "scales.csv", index=False)
         written["scales.csv"] = out_dir / "scales.csv"
     md = format_markdown(df, hl, fw, dirs, sc, stat)
+    md += write_expert_parallel(df, out_dir, written)
     (out_dir / "headline.md").write_text(md)
     written["headline.md"] = out_dir / "headline.md"
     for name, fn, data in (("reload_vs_fraction.png", plot_reload, df),
@@ -72,6 +74,22 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
         if fn(data, out_dir / name):
             written[name] = out_dir / name
     return written
+
+
+def write_expert_parallel(df, out_dir: Path, written: dict) -> str:
+    """rebalance.csv / ep_forward.csv where the results have them; their Markdown section."""
+    parts = []
+    for name, table, title in (
+            ("rebalance.csv", rebalance_table(df), "Expert-parallel rebalance (ms; the bound is one "
+             "contiguous transfer of the same bytes, measured in the same run):"),
+            ("ep_forward.csv", ep_forward_table(df), "Expert-parallel forward on a skewed routing, "
+             "before (start) and after (balanced) the rebalance:")):
+        if table.empty:
+            continue
+        table.to_csv(out_dir / name, index=False)
+        written[name] = out_dir / name
+        parts += [title, "", markdown_table(table.round(4), cell=_cell), ""]
+    return "\n".join(["", "## Expert parallel", "", *parts]) if parts else ""
 
 
 def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
