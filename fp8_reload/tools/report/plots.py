@@ -86,6 +86,8 @@ def plot_reload(df, path: Path) -> Path | None:
     has a curve to show."""
     rel = df[df["benchmark"].str.contains(r"FilteredReload\.time_reload|RawReadCopy\.time_read_copy|"
                                           r"FullReload\.time_reload")].dropna(subset=["value"])
+    if rel.empty:  # results without reload benchmarks (e.g. expert parallel only)
+        return None
     panels = []
     kinds = {"fp8": 0, "bf16": 1}  # the FP8 checkpoint first, as in the tables
     for key in sorted(rel.groupby(["machine", "preset", "kind"]).groups,
