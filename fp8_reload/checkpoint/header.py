@@ -174,7 +174,9 @@ def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:
     raw = files.pread(f, hlen, 8, file)
     if len(raw) < hlen:  # the file shrank while we read it
         raise CorruptCheckpointError(f"{file}: truncated header")
-    entries = raw.count(b'"data_offsets"')  # a C scan, before any JSON is parsed
+    # A C scan before any JSON is parsed: each entry is a JSON object, and no escape can
+    # spell a brace outside a string, so this bounds the entries (strings may add more).
+    entries = raw.count(b"{") - 1
     if entries > MAX_HEADER_ENTRIES:
         raise CorruptCheckpointError(f"{file}: corrupt header: {entries} tensor entries, more than "
                                      f"{MAX_HEADER_ENTRIES} (parsing them would take seconds and GBs)")
