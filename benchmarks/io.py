@@ -62,7 +62,7 @@ class IOPaths(CheckpointSuite):
             copy = io_paths.PinnedCopy(io_paths.total_bytes(self.files), "cuda")
             self.run = copy
         elif io == "limit-read":
-            buffer = io_paths.PinnedCopy(io_paths.total_bytes(self.files), "cuda").src
+            buffer = io_paths.pinned(io_paths.total_bytes(self.files))
             self.run = lambda: io_paths.page_cache_read(self.files, buffer)
         elif io.startswith("fp8-reload"):
             import fp8_reload.reload.transaction as transaction

@@ -69,3 +69,18 @@ def synchronize(target: nn.Module | torch.Tensor | torch.device | str | None = N
         target = torch.device("cuda") if torch.cuda.is_available() else None
     if target is not None and torch.device(target).type == "cuda":
         torch.cuda.synchronize(target)
+
+
+_SIDE_STREAMS: dict = {}
+
+
+def side_stream(device, role: str) -> torch.cuda.Stream:
+    """The process's CUDA stream for `role` ("copy": a reload's host-to-device writes,
+    "backup": its device-to-host backups) on `device`, made once and reused."""
+    device = torch.device(device)
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (device, role)
+    if key not in _SIDE_STREAMS:
+        _SIDE_STREAMS[key] = torch.cuda.Stream(device)
+    return _SIDE_STREAMS[key]

@@ -29,18 +29,19 @@ from pathlib import Path
 
 import torch
 
+from .files import stamp
+
 # cudaHostRegisterReadOnly: the driver pins the pages for reading only (the mapping is
 # PROT_READ; the device never writes them).
 _REGISTER_READ_ONLY = 0x08
 
 
 def file_stamp(path) -> tuple | None:
-    """(size, mtime_ns, ctime_ns, inode) of `path`, None when it cannot be stat'ed."""
+    """`files.stamp` of `path`, None when it cannot be stat'ed."""
     try:
-        st = os.stat(path)
+        return stamp(os.stat(path))
     except OSError:
         return None
-    return st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino
 
 
 def _unregister(ptr: int) -> None:
@@ -107,7 +108,7 @@ def register(path: Path) -> RegisteredFile | None:
         mapped.close()
         _clear_last_error()
         return None
-    return RegisteredFile(Path(path), (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino), view,
+    return RegisteredFile(Path(path), stamp(st), view,
                           mapped)
 
 

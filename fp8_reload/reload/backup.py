@@ -133,16 +133,6 @@ class Backup:
                     index_copy_(tensor, 0, index.to(tensor.device), host.to(tensor.device))
 
 
-_STREAMS: dict = {}
-
-
-def backup_stream(device: torch.device):
-    """The side stream backups of a reload that streams its writes run on (one per device)."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
-
-
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
                    order: list[str] | None = None, stream=None, start: bool = True) -> Backup:
     """Back up what a reload of `names` may change. `order` (module names) is the order

@@ -25,6 +25,7 @@ import torch
 from .. import trace
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.values import invalid_tensor_error
+from ..device import side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from .chunks import Chunk, advise_will_need, make_chunks, read_scalars, ring_for, stream_through_ring
@@ -106,9 +107,9 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
 
 
 def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> None:
-    from .to_device import commit_cuda, copy_stream
+    from .to_device import commit_cuda
 
-    stream = copy_stream(device)
+    stream = side_stream(device, "copy")
     waited: set[int] = set()
 
     def writable(module) -> None:  # the backup of `module` is taken: it may be overwritten

@@ -28,6 +28,7 @@ import torch
 from .. import trace
 from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
+from ..device import side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
@@ -63,16 +64,6 @@ class DeviceSlot:
 
     def release(self) -> None:
         self.buffer = None
-
-
-_STREAMS: dict = {}
-
-
-def copy_stream(device: torch.device) -> torch.cuda.Stream:
-    """The reload's copy stream on `device` (one per process and device, reused)."""
-    if device not in _STREAMS:
-        _STREAMS[device] = torch.cuda.Stream(device)
-    return _STREAMS[device]
 
 
 def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
@@ -156,7 +147,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     overwritten (its backup is taken)."""
     t0 = streamed[0]
     device = t0.views[0].device if t0.views else t0.module.w13_weight.device
-    stream = copy_stream(device)
+    stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     checks: list[tuple[Target, torch.Tensor]] = []
     quant_checks: list | None = [] if check else None

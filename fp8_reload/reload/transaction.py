@@ -37,13 +37,13 @@ import torch
 
 from .. import trace
 from ..checkpoint import Checkpoint, staging
-from ..device import model_device, on_cuda, resolve_device, synchronize
+from ..device import model_device, on_cuda, resolve_device, side_stream, synchronize
 from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
 from ..processing import get_mode, process_modules
 from ..processing.ops import on_triton
-from .backup import BACKUP_PLACES, backup_stream, capture_backup, roll_back
+from .backup import BACKUP_PLACES, capture_backup, roll_back
 from .filters import NameFilter, experts_by_layer
 from .plan import check_compatible, checkpoint_stamp, nothing_written, open_checkpoint, plan, stage
 from .stream import commit, prepare
@@ -201,7 +201,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             with timer.phase("backup"):
                 order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
                 saved = capture_backup(model, names, process_all, backup, order=order,
-                                       stream=backup_stream(model_device(model))
+                                       stream=side_stream(model_device(model), "backup")
                                        if streaming and on_cuda(model) else None,
                                        start=not streaming)
             report.backup_bytes = saved.nbytes

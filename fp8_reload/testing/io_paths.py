@@ -53,12 +53,18 @@ def device_targets(path, names, device) -> dict[str, torch.Tensor]:
     return {n: torch.empty(ckpt.info(n).shape, dtype=ckpt.info(n).dtype, device=device) for n in names}
 
 
+def pinned(nbytes: int) -> torch.Tensor:
+    """A pinned host buffer with its pages touched (not timed later)."""
+    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    buf.fill_(1)
+    return buf
+
+
 class PinnedCopy:
     """The host-to-device limit: `nbytes` from one pinned buffer in one copy."""
 
     def __init__(self, nbytes: int, device):
-        self.src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        self.src.fill_(1)
+        self.src = pinned(nbytes)
         self.dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
 
     def __call__(self) -> int:
