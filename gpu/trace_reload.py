@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import functools
 import gzip
 import os
 import shutil
@@ -126,9 +127,11 @@ def main():
             model = fr.load_model(path, device="cuda")
             fr.release_staging(model)
             flt = fr.generate_weight_name_filter({layer: [0] for layer in cfg.moe_layers})
-            traced(lambda: fr.update_weights_from_disk(model, path), f"{kind} full reload repeated", out, lines)
-            traced(lambda: fr.update_weights_from_disk(model, path, flt), f"{kind} filtered 1 per layer",
+            reload = functools.partial(fr.update_weights_from_disk, model, path)
+            traced(reload, f"{kind} full reload repeated", out, lines)
+            traced(functools.partial(reload, backup="device"), f"{kind} full reload repeated, device backup",
                    out, lines)
+            traced(functools.partial(reload, flt), f"{kind} filtered 1 per layer", out, lines)
             del model
             torch.cuda.empty_cache()
     if "process" in what:

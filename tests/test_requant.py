@@ -37,8 +37,11 @@ def fp8_w13(e: int, inter: int, hidden: int, seed: int = 0):
 
 @pytest.mark.parametrize("experts", [[0, 1, 2, 3, 4, 5, 6], [5], [1, 3, 6], [2, 3, 4]],
                          ids=["all", "one", "some", "a-run"])
-def test_requantize_matches_the_torch_path(experts):
-    q, s = fp8_w13(7, 48, 80)
+@pytest.mark.parametrize("seed", [0, 1], ids=["first-launch", "cached-launch"])
+def test_requantize_matches_the_torch_path(experts, seed):
+    """The second seed's call (same shapes, other tensors) launches the kernel compiled by
+    the first through `launch`'s cache, on a GPU."""
+    q, s = fp8_w13(7, 48, 80, seed=seed)
     idx = torch.tensor(experts)
     a13, a2 = torch.rand(7) + 0.5, torch.rand(7) + 0.5
     raw13, raw2 = torch.rand(7), torch.rand(7)
@@ -112,3 +115,28 @@ def test_ops_dispatch_to_triton_on_cuda_with_the_same_bytes():
     ops.requantize_w13_to_expert_max_(got_q, got_s, torch.tensor([1, 2, 7]), 64)  # CUDA: Triton
     assert_bitwise_equal(want_q, got_q.cpu(), "w13")
     assert_bitwise_equal(want_s, got_s.cpu(), "w13_scale")
+
+
+@pytest.mark.parametrize("seed", [3, 4], ids=["first-launch", "cached-launch"])
+@pytest.mark.parametrize("where", ["device", "host"], ids=["pieces-on-device", "pieces-on-host"])
+def test_quantize_staged_by_address_matches_the_torch_path(seed, where):
+    """The layout's addresses instead of a view per piece (the Triton path of
+    `quantize_staged_experts_`): the torch path's bytes, every slot elsewhere untouched."""
+    g = torch.Generator().manual_seed(seed)
+    e, inter, hidden = 6, 32, 64
+    slots = [1, 2, 5]
+    staged = {s: {n: (torch.randn(*shape, generator=g) * (s + 1)).to(torch.bfloat16)
+                  for n, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter)))}
+              for s in slots}
+    w13 = quantize_static(torch.randn(e, 2 * inter, hidden, generator=g), 0.01)
+    w2 = quantize_static(torch.randn(e, hidden, inter, generator=g), 0.01)
+    s13, s2 = torch.rand(e, 2, generator=g), torch.rand(e, generator=g)
+    want = [t.clone() for t in (w13, s13, w2, s2)]
+    ops.quantize_staged_experts_(*want, staged)  # CPU tensors: the torch path
+
+    got = [t.to(DEVICE) for t in (w13, s13, w2, s2)]
+    put = DEVICE if where == "device" else "cpu"
+    moved = {s: {n: t.to(put) for n, t in p.items()} for s, p in staged.items()}
+    ops.quantize_staged_by_address_(*got, moved, slots)
+    for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
+        assert_bitwise_equal(a, b.cpu(), name)

@@ -105,6 +105,7 @@ class Checkpoint:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
         self.plans: dict = {}  # full-reload plans by model (reload/transaction.py)
+        self.scalars: dict[str, float] = {}  # 0-dim scales read once (reload/chunks.py)
 
     def _check_directory(self) -> None:
         try:

@@ -162,12 +162,13 @@ class FixedFp8LinearMethod:
         if self.fp8_checkpoint:
             s = layer.weight_scale.data
             m = s.max()
-            start = 0
-            for i, width in enumerate(layer.logical_widths):
-                if s[i] != m:
-                    rows = w.narrow(0, start, width)
-                    rows.copy_(requantize(rows, s[i], m))
-                start += width
+            if len(layer.logical_widths) > 1:  # one width is at the max already: no host sync
+                start = 0
+                for i, width in enumerate(layer.logical_widths):
+                    if s[i] != m:
+                        rows = w.narrow(0, start, width)
+                        rows.copy_(requantize(rows, s[i], m))
+                    start += width
             s.fill_(m)
             layer.input_scale.data.fill_(layer.input_scale.data.max())
         else:

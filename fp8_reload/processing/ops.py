@@ -159,6 +159,34 @@ def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: to
     requantize_w13_to_expert_max_(w13, w13_scale, experts, shard_size)
 
 
+def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: list[int]) -> None:
+    """Two launches per chunk of experts, the pieces' addresses computed from the layout
+    (a view per piece costs more host time than the kernels take for one expert). Pieces
+    on the device are read where they are; others are copied over a chunk at a time."""
+    inter, hidden = w13.shape[1] // 2, w13.shape[2]
+    numel = inter * hidden
+    for s in slots:
+        if any(t.numel() != numel or not t.is_contiguous() for t in staged[s].values()):
+            raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size")
+    on_device = all(t.is_cuda for s in slots for t in staged[s].values())
+    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), w13_scale.data_ptr(), w2_scale.data_ptr()
+    e13, e2, f13, f2 = w13.stride(0), w2.stride(0), 4 * w13_scale.stride(0), 4 * w2_scale.stride(0)
+    cols = w13_scale.numel() // w13_scale.shape[0]
+    for lo in range(0, len(slots), step):
+        src, dst, groups, scales, copies = [], [], [], [], []
+        for k, s in enumerate(slots[lo:lo + step]):
+            pieces = staged[s]
+            if not on_device:  # kept (`copies`) until the kernels are queued behind them
+                pieces = {n: t.to(w13.device, non_blocking=True) for n, t in pieces.items()}
+                copies.append(pieces)
+            src += [pieces["w1"].data_ptr(), pieces["w3"].data_ptr(), pieces["w2"].data_ptr()]
+            dst += [b13 + s * e13, b13 + s * e13 + numel, b2 + s * e2]
+            groups += [2 * k, 2 * k, 2 * k + 1]
+            scales += [(c13 + s * f13, cols), (0, 0), (c2 + s * f2, 1)]
+        _requant().quantize_pointers_(w13.device, numel, src, dst, groups, scales)
+
+
 def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
                              w2_scale: torch.Tensor, staged: dict[int, dict[str, torch.Tensor]]) -> None:
     """Quantize staged bf16 experts ``{slot: {"w1": gate, "w3": up, "w2": down}}`` into the
@@ -173,20 +201,9 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
         return
     inter = w13.shape[1] // 2
     pieces_of = [t for s in slots for t in staged[s].values()]
-    if on_triton(w13) and all(t.dtype == torch.bfloat16 for t in pieces_of):
-        # pieces on the device are read where they are (one chunk); others are copied over
-        # a chunk at a time
-        on_device = all(t.is_cuda for t in pieces_of)
-        piece_bytes = 0 if on_device else 3 * staged[slots[0]]["w2"].numel() * 2
-        for chunk in chunks(torch.tensor(slots), piece_bytes):
-            pieces = []
-            for k, s in enumerate(chunk.tolist()):
-                src = {n: t if t.is_cuda else t.to(w13.device, non_blocking=True)
-                       for n, t in staged[s].items()}
-                pieces += [(src["w1"], w13[s, :inter], 2 * k, w13_scale[s]),
-                           (src["w3"], w13[s, inter:], 2 * k, None),
-                           (src["w2"], w2[s], 2 * k + 1, w2_scale[s:s + 1])]
-            _requant().quantize_pieces_(pieces)
+    if (on_triton(w13) and all(t.dtype == torch.bfloat16 for t in pieces_of)
+            and all(t.is_contiguous() for t in (w13, w13_scale, w2, w2_scale))):
+        quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots)
         return
     per_expert = 2 * inter * w13.shape[2] * 4
     for idx in chunks(torch.tensor(slots, dtype=torch.long), per_expert):

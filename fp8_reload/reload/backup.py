@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import staging
-from ..device import on_cuda, synchronize
+from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
 from ..quant import index_copy_
@@ -25,6 +25,16 @@ _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # "host": copies in CPU memory (no device memory needed); "device": copies next to
 # the weights (fast on a GPU, costs `backup_bytes` of device memory).
 BACKUP_PLACES = ("host", "device")
+
+
+def _dense_view(t: torch.Tensor) -> torch.Tensor:
+    """`t` with its dimensions permuted into memory order when that makes it contiguous
+    (a linear weight kept transposed for its kernel): copied as one span of bytes, with no
+    device-side gather into a temporary first. Restoring through the view writes `t`."""
+    if t.is_contiguous():
+        return t
+    view = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
+    return view if view.is_contiguous() else t
 
 
 class Backup:
@@ -70,10 +80,12 @@ class Backup:
             self.stream = stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for k, ((module, tensor, index), n) in enumerate(zip(self.pending, sizes)):
+                if index is None:
+                    tensor = _dense_view(tensor)
                 src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
                 if arena is not None:
                     copy = staging.typed_slice(arena, src.dtype, src.shape)
-                    copy.copy_(src, non_blocking=True)
+                    copy_async(copy, src, torch.cuda.current_stream(src.device))
                 elif self.where == "host":
                     copy = src.to("cpu", copy=index is None)
                 else:

@@ -111,18 +111,24 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
 
 def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[float]:
     """The values of the 0-dim float32 targets, one positional read per run of adjacent
-    ones; with `check`, each must be finite and positive."""
-    found: dict[int, float] = {}
-    for chunk in make_chunks(sorted(targets, key=lambda t: (t.info.file, t.info.offset)), 1 << 40):
+    ones; with `check`, each must be finite and positive. Values are kept with the parsed
+    checkpoint (which lives while the files' stamps are unchanged): a repeated reload
+    reads none of them again."""
+    known = ckpt.scalars
+    todo = sorted((t for t in targets if t.info.name not in known),
+                  key=lambda t: (t.info.file, t.info.offset))
+    for chunk in make_chunks(todo, 1 << 40):
         path = ckpt.path / chunk.file
         handle, _ = ckpt.open_shard(chunk.file)
+        inside = iter(chunk.targets)  # in offset order, as the spans: one pass over both
+        t = next(inside, None)
         with handle:
             for off, n, _ in chunk.spans:
                 raw = read_span(handle, path, off, n, what=f"scales at byte {off}").numpy().tobytes()
-                for t in chunk.targets:
-                    if off <= t.info.offset < off + n:
-                        (found[id(t)],) = struct.unpack_from("<f", raw, t.info.offset - off)
-    values = [found[id(t)] for t in targets]
+                while t is not None and t.info.offset < off + n:
+                    (known[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - off)
+                    t = next(inside, None)
+    values = [known[t.info.name] for t in targets]
     if check:
         for t, v in zip(targets, values):
             if not (v > 0 and v != float("inf")):  # False for NaN too

@@ -120,12 +120,14 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> Non
             waited.add(id(module))
 
     stream.wait_stream(torch.cuda.current_stream(device))
+    if streamed:
+        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats)
+    # the scales last: written first, they would make the copy stream wait for the backup
+    # of every module before its first copy (nothing of the two directions would overlap)
     with torch.cuda.stream(stream):
         for t in scalars:
             writable(t.module)
         _write_scalars(scalars, prep.scalar_values)
-    if streamed:
-        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats)
     current = torch.cuda.current_stream(device)
     current.wait_stream(stream)
     if prep.loaded and wait_for is not None:  # the loaders write on the current stream

@@ -28,7 +28,7 @@ import torch
 from .. import trace
 from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
-from ..device import side_stream
+from ..device import copy_async, side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
@@ -122,7 +122,9 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 
 def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
           quant_checks) -> None:
-    """Queue the copies of one chunk out of `buf` (pinned or registered host memory)."""
+    """Queue the copies of one chunk out of `buf` (pinned or registered host memory) on
+    the current stream (the copy stream)."""
+    stream = torch.cuda.current_stream(device)
     quant = any(t.kind == "quant" for t in chunk.targets)
     if quant:
         dslot = slot.get(chunk.extent, device)
@@ -133,7 +135,7 @@ def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, c
         writable(t.module)
         src = chunk.source(buf, t)
         for view in t.views:
-            view.copy_(src, non_blocking=True)
+            copy_async(view, src, stream)
         checks.append((t, t.views[0]))
     if quant:
         for t in chunk.targets:

@@ -22,6 +22,7 @@ import torch
 
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
+from .launch import launch
 from .runtime import INTERPRET, check_device, tl, triton
 
 BLOCK = 4096  # elements per program of the elementwise passes
@@ -163,13 +164,12 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     if not (w13.is_contiguous() and w13_scale.is_contiguous() and w13_scale.shape == (e_all, 2)):
         raise ValueError("requantize_w13_ needs contiguous w13 [E, 2I, H] and w13_scale [E, 2]")
     half = rows // 2 * hidden
-    _requant_halves_kernel[(k, 2, triton.cdiv(half, BLOCK))](
-        w13, w13_scale, idx, first, half, w13.stride(0), LISTED=listed, BLOCK=BLOCK, EXACT=EXACT)
+    launch(_requant_halves_kernel, (k, 2, triton.cdiv(half, BLOCK)),
+           w13, w13_scale, idx, first, half, w13.stride(0), listed, BLOCK, EXACT)
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
-    _finalize_fp8_scales_kernel[(1,)](
-        w13_scale, idx, first, k, a13, a13_raw, a2, a2_raw, e_all, LISTED=listed, MERGE_INPUT=merge,
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all))
+    launch(_finalize_fp8_scales_kernel, (1,), w13_scale, idx, first, k, a13, a13_raw, a2, a2_raw, e_all,
+           listed, merge, min(1024, triton.next_power_of_2(k)), triton.next_power_of_2(e_all))
 
 
 def quantize_pieces_(pieces: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> None:
@@ -190,25 +190,31 @@ def quantize_pieces_(pieces: list[tuple[torch.Tensor, torch.Tensor, int, torch.T
         if (src.dtype != torch.bfloat16 or dst.dtype != torch.float8_e4m3fn or src.numel() != numel
                 or dst.numel() != numel or not src.is_contiguous() or not dst.is_contiguous()):
             raise ValueError("quantize_pieces_: contiguous bf16 sources and FP8 destinations of one size")
-    dev = src0.device
-    groups = [g for _, _, g, _ in pieces]
+    quantize_pointers_(src0.device, numel, [src.data_ptr() for src, _, _, _ in pieces],
+                       [dst.data_ptr() for _, dst, _, _ in pieces], [g for _, _, g, _ in pieces],
+                       [(0, 0) if out is None else (out.data_ptr(), out.numel()) for *_, out in pieces])
+
+
+def quantize_pointers_(device, numel: int, src: list[int], dst: list[int], groups: list[int],
+                       scales: list[tuple[int, int]]) -> None:
+    """`quantize_pieces_` given the addresses (what a caller that knows the layout computes
+    without making a view per piece): `numel` bf16 elements at each ``src[i]`` into FP8 at
+    ``dst[i]``; ``scales[i]`` is ``(address, slots)`` of the float32 scale piece `i` writes,
+    ``(0, 0)`` for none. The caller guarantees sizes, dtypes and contiguity."""
     starts = [i for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
     gstart, gcount = [], []
     for lo, hi in zip(starts, starts[1:] + [len(groups)]):
         gstart += [lo] * (hi - lo)
         gcount += [hi - lo] * (hi - lo)
-    columns = ([src.data_ptr() for src, _, _, _ in pieces], [dst.data_ptr() for _, dst, _, _ in pieces],
-               gstart, gcount, [0 if out is None else out.data_ptr() for *_, out in pieces],
-               [0 if out is None else out.numel() for *_, out in pieces])
-    table = device_ints([v for col in columns for v in col], dev).view(6, -1)  # one copy, rows contiguous
+    columns = (src, dst, gstart, gcount, [a for a, _ in scales], [n for _, n in scales])
+    table = device_ints([v for col in columns for v in col], device).view(6, -1)  # one copy
     src_ptr, dst_ptr, gstart_d, gcount_d, scale_dst, scale_cols = table
     nblocks = triton.cdiv(numel, BLOCK)
-    partial = torch.empty(len(pieces) * nblocks, dtype=torch.float32, device=dev)
-    grid = (len(pieces), nblocks)
-    _piece_amax_kernel[grid](src_ptr, partial, numel, nblocks, BLOCK=BLOCK)
-    _piece_quant_kernel[grid](src_ptr, dst_ptr, gstart_d, gcount_d, scale_dst, scale_cols, partial, numel,
-                              nblocks, INV_FP8_MAX, MIN_SCALE, BLOCK=BLOCK, RBLOCK=1024, EXACT=EXACT)
+    partial = torch.empty(len(src) * nblocks, dtype=torch.float32, device=device)
+    grid = (len(src), nblocks)
+    launch(_piece_amax_kernel, grid, src_ptr, partial, numel, nblocks, BLOCK)
+    launch(_piece_quant_kernel, grid, src_ptr, dst_ptr, gstart_d, gcount_d, scale_dst, scale_cols, partial,
+           numel, nblocks, INV_FP8_MAX, MIN_SCALE, BLOCK, 1024, EXACT)
 
 
-
-__all__ = ["device_ints", "quantize_pieces_", "requantize_w13_"]
+__all__ = ["device_ints", "quantize_pieces_", "quantize_pointers_", "requantize_w13_"]
