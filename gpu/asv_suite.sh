@@ -112,6 +112,7 @@ BENCH=(
   -b "FilteredReload\.time_reload\($F, 'fp8', '(1/layer|100%)', 'upstream-style'\)"
   -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
   -b "FullReload\.time_reload"
+  -b "ValidateStaged\.time_validate"
   -b "RawReadCopy\.time_read_copy\($F, 'fp8', '(1/layer|10%|100%|full)', 'preadv'\)"
   -b "RawReadCopy\.time_read_copy\($F, $F, 'full', 'safetensors'\)"
   -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full', 'preadv'\)"
