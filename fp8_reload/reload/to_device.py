@@ -15,8 +15,10 @@ weight sync do; registering costs about one read of the file, so a checkpoint re
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
 default half the host's memory); ``always``; ``never``.
 
-bf16 experts (quantized on load) land in a device slot one chunk at a time and are
-quantized from there into their FP8 slots: device memory beyond the model is one chunk.
+Every chunk lands in a device slot first (one copy), and goes from there to its places:
+FP8 tensors by device-to-device copies, bf16 experts (quantized on load) by the
+quantization into their FP8 slots. Device memory beyond the model is one chunk
+(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ def _register_budget() -> int:
 
 
 class DeviceSlot:
-    """Device scratch for bf16 experts between their copy and their quantization."""
+    """Device scratch one chunk lands in before its tensors go to their places."""
 
     def __init__(self):
         self.buffer: torch.Tensor | None = None
@@ -123,21 +125,22 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
           quant_checks) -> None:
     """Queue the copies of one chunk out of `buf` (pinned or registered host memory) on
-    the current stream (the copy stream)."""
+    the current stream (the copy stream): the whole chunk in one host-to-device copy into
+    the device slot (one DMA runs at the link's speed; hundreds of tensor-sized ones from
+    page-cache pages do not), then each tensor from there to its place at memory speed.
+    Only those device-to-device copies wait for the modules' backups."""
     stream = torch.cuda.current_stream(device)
-    quant = any(t.kind == "quant" for t in chunk.targets)
-    if quant:
-        dslot = slot.get(chunk.extent, device)
-        dslot[:chunk.extent].copy_(buf[:chunk.extent], non_blocking=True)
+    dslot = slot.get(chunk.extent, device)[:chunk.extent]
+    copy_async(dslot, buf[:chunk.extent], stream)
     for t in chunk.targets:
         if t.kind != "copy":
             continue
         writable(t.module)
-        src = chunk.source(buf, t)
+        src = chunk.source(dslot, t)
         for view in t.views:
             copy_async(view, src, stream)
         checks.append((t, t.views[0]))
-    if quant:
+    if any(t.kind == "quant" for t in chunk.targets):
         for t in chunk.targets:
             writable(t.module)
         _quantize_chunk(chunk, dslot, quant_checks)
