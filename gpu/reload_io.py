@@ -71,6 +71,11 @@ def run_checkpoint(path, label, rows, whole=False):
 
     h2d, _ = timed(limit, repeat=5)
     row("host->device, one pinned buffer, one copy (limit)", h2d, file_bytes)
+    if not whole:  # (three more copies of the checkpoint's size: not for the whole model)
+        duplex = io_paths.DuplexCopy(file_bytes, "cuda")
+        both, _ = timed(duplex, repeat=5)
+        row("both ways at once, one copy each (limit with a host backup)", both, file_bytes)
+        del duplex
     read, _ = timed(lambda: io_paths.page_cache_read(files, limit.src), repeat=3)
     row("page cache -> pinned, 16 threads preadv, 64 MiB (limit)", read, file_bytes)
 
@@ -111,6 +116,9 @@ def run_checkpoint(path, label, rows, whole=False):
     row("fp8-reload streaming, second reload (registers shards)", s, rep.bytes_read, phases=phases(rep))
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=5)
     row("fp8-reload streaming, repeated reload (registered)", s, rep.bytes_read, phases=phases(rep))
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, backup="device"), repeat=5)
+    row("  the same, backup in device memory (+1 model of device memory)", s, rep.bytes_read,
+        phases=phases(rep))
 
     flt = one_per_layer(model.config)
     sel = [n for n in names if flt(n)]

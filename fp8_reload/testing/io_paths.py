@@ -73,6 +73,25 @@ class PinnedCopy:
         return self.src.numel()
 
 
+class DuplexCopy(PinnedCopy):
+    """The limit of a reload that backs up to host memory while it writes: `nbytes` each
+    way at once, host to device and device to host, one pinned buffer each, two streams."""
+
+    def __init__(self, nbytes: int, device):
+        super().__init__(nbytes, device)
+        self.old = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        self.back = pinned(nbytes)
+        self.streams = [torch.cuda.Stream(device) for _ in range(2)]
+
+    def __call__(self) -> int:
+        with torch.cuda.stream(self.streams[0]):
+            self.dst.copy_(self.src, non_blocking=True)
+        with torch.cuda.stream(self.streams[1]):
+            self.back.copy_(self.old, non_blocking=True)
+        torch.cuda.synchronize(self.dst.device)
+        return self.src.numel()
+
+
 def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int = 64 << 20) -> int:
     """The read limit: every byte of `files`, `chunk` per positional read, `threads` at a
     time, into `buffer` (pinned, at least the files' total size)."""
