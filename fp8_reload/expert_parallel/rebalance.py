@@ -190,7 +190,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
         mine = plan.ranks[rank]
         by_index = [layers[lid] for lid in old.layers]  # the plan's layer indices
-        moves = Transfer(mine, [row_bytes(layer) for layer in by_index], old.num_experts, device)
+        moves = Transfer(mine, lambda li: row_bytes(by_index[li]), old.num_experts, device)
         report.slots_changed = mine.slots_changed
         report.experts_local, report.experts_p2p, report.experts_disk = (
             mine.count("local"), mine.count("peer"), mine.count("disk"))

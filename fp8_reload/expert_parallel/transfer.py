@@ -14,7 +14,9 @@ restored from the bytes it sent.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 
@@ -41,10 +43,13 @@ def _runs(values: torch.Tensor) -> tuple[list[int], list[int]]:
 class Transfer:
     """This rank's rows of one rebalance (see the module docstring)."""
 
-    def __init__(self, plan: RankPlan, widths: list[int], num_experts: int, device):
+    def __init__(self, plan: RankPlan, widths: Sequence[int] | Callable[[int], int],
+                 num_experts: int, device):
+        """`widths`: row bytes by layer index, or a function of it (called only for layers
+        this rank moves rows of, once each)."""
         self._host: list[torch.Tensor] = []
-        self.widths = widths
-        me, n_layers = plan.rank, len(widths)
+        self.width = cache(widths if callable(widths) else widths.__getitem__)
+        me, n_layers = plan.rank, len(plan.layers)
         st, items, ch = plan.sends_to, plan.items, plan.changed_at
         src = items[:, 2]
 
@@ -89,7 +94,7 @@ class Transfer:
             srt = torch.sort(sent_key, stable=True)
             pos = srt.indices[torch.searchsorted(srt.values, ch_key[covered])]  # send-list row
             seg_of = [(peer, run) for peer, (_, runs) in self.sends.items() for run in runs]
-            seg_start = torch.tensor([0] + [r.nbytes // widths[r.li] for _, r in seg_of]).cumsum(0)
+            seg_start = torch.tensor([0] + [r.nbytes // self.width(r.li) for _, r in seg_of]).cumsum(0)
             seg = torch.searchsorted(seg_start, pos, right=True) - 1
             by = torch.sort(seg, stable=True).indices
             slots, seg, pos = ch[covered, 1][by], seg[by], pos[by]
@@ -107,14 +112,14 @@ class Transfer:
         """Per-layer runs of a buffer listing rows of layers `li` (in order); total bytes."""
         runs, off, i = [], 0, 0
         for layer, n in zip(*_runs(li)):
-            nbytes = n * self.widths[layer]
+            nbytes = n * self.width(layer)
             idx = None if slots is None else self._add(slots[i:i + n])
             runs.append(Run(layer, off, nbytes, idx))
             off, i = off + nbytes, i + n
         return off, runs
 
     def _scatter(self, seg: Run, dst: torch.Tensor, rows: torch.Tensor) -> Run:
-        k = seg.nbytes // self.widths[seg.li]
+        k = seg.nbytes // self.width(seg.li)
         in_order = rows.numel() == k and torch.equal(rows, torch.arange(k))
         return Run(seg.li, seg.offset, seg.nbytes, self._add(dst),
                    None if in_order else self._add(rows))
