@@ -76,26 +76,11 @@ def comm_device(model_device: torch.device, group) -> torch.device:
     return torch.device("cpu") if dist.get_backend(group) == "gloo" else model_device
 
 
-def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` (host) on `device`; to a GPU from pinned memory, without waiting for the device."""
-    if t.device == device:
-        return t
-    if device.type == "cuda":
-        return t.pin_memory().to(device, non_blocking=True)
-    return t
-
-
-def gather_rows(row: torch.Tensor, group, device) -> torch.Tensor:
-    """`[world, n]` on the host: every rank's `row` (one all-gather, one device->host copy)."""
-    world = dist.get_world_size(group)
-    row = to_device(row, device)
-    out = torch.empty(world, row.numel(), dtype=row.dtype, device=device)
-    dist.all_gather(list(out.unbind(0)), row, group=group)
-    return out.cpu()
-
-
 def failed_ranks(error: BaseException | None, group, device) -> list[int]:
     """The ranks of `group` whose `error` is not None, known to every rank (one all-gather):
     a collective step that fails on one rank fails on all of them together, none waits."""
-    flag = torch.full((1,), 0 if error is None else 1, dtype=torch.int64, device=device)
-    return [r for r, f in enumerate(gather_rows(flag, group, device).flatten().tolist()) if f]
+    world = dist.get_world_size(group)
+    flag = torch.tensor([0 if error is None else 1], dtype=torch.int64, device=device)
+    flags = [torch.zeros_like(flag) for _ in range(world)]
+    dist.all_gather(flags, flag, group=group)
+    return [r for r, f in enumerate(torch.cat(flags).tolist()) if f]

@@ -3,9 +3,8 @@
 Each rank holds its share of the experts (a `Placement`, loaded with
 `load_rank_model`). `rebalance(model, new)` moves every rank to a new placement:
 
-1. **Agree.** One all-gather: every rank checks it holds the same old placement
-   and takes rank 0's (new, mode, exclusions). Every rank then computes the
-   same `RebalancePlan` (index tensors, a fixed cost per rebalance).
+1. **Agree.** Rank 0 broadcasts (old, new, mode); every rank checks it holds
+   the same old placement. Every rank then computes the same `RebalancePlan`.
 2. **Plan.** Per rank: the local slots whose expert changes and, per layer,
    each logical expert the rank must obtain and from where: a *local* copy
    (the rank already holds it in another slot), a *peer* that holds it (P2P),
@@ -25,13 +24,9 @@ Each rank holds its share of the experts (a `Placement`, loaded with
    scales are recomputed from the raw per-expert scales exactly as a fresh
    load does, `weights_version` is bumped and forward caches dropped.
 5. **Finish together.** Ranks all-gather their outcome. If any rank failed,
-   every rank restores its changed slots (from the rows it sent, or a backup of
-   the others taken before the commit) and raises `RebalanceError`; the model
-   and placement are as before.
+   every rank restores its changed slots from a backup taken before the
+   commit and raises `RebalanceError`; the model and placement are as before.
 
-No host-device sync between the agreement and the outcome but the one the
-weights lock needs; staging and commit are one gather / scatter per parameter
-kind and layer (`transfer.Transfer`), straight between Parameters and buffers.
 After a successful rebalance each rank's state equals a fresh `load_model` of
 that rank under the new placement, bit for bit (tests check it on every rank).
 Works with ``gloo`` on CPU and ``nccl`` on GPUs.
@@ -41,6 +36,7 @@ Works with ``gloo`` on CPU and ``nccl`` on GPUs.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Iterable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
@@ -50,9 +46,9 @@ import torch.distributed as dist
 
 from ..device import synchronize
 from ..kernels.scales import clear_kernel_caches
-from ..layers import FP8MoEModel
+from ..layers import FP8MoEModel, FusedMoE
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
-from .group import comm_device, failed_ranks, gather_rows, global_rank
+from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import MODES, RebalancePlan
 from .slots import (
@@ -63,7 +59,6 @@ from .slots import (
     row_bytes,
     write_slots,
 )
-from .transfer import Transfer
 
 
 @dataclass
@@ -93,12 +88,19 @@ class RebalanceReport:
                 f"read {self.bytes_disk / mib:.2f} MiB ({phases})")
 
 
-def _mark(seconds: dict, name: str, t0: float) -> float:
-    """Add the host time since `t0` to phase `name`. No device sync: a phase's device work
-    shows where the host waits for it (the weights lock's device sync, the outcome)."""
-    t = time.perf_counter()
-    seconds[name] = seconds.get(name, 0.0) + t - t0
-    return t
+class _Timer:
+    """Adds the time since `t0` to phase `name`, after the device finished (unless `sync`
+    is False: posting asynchronous work)."""
+
+    def __init__(self, seconds: dict, device: torch.device):
+        self.seconds, self.device = seconds, device
+
+    def mark(self, name: str, t0: float, sync: bool = True) -> float:
+        if sync:
+            synchronize(self.device)
+        t = time.perf_counter()
+        self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
+        return t
 
 
 def _agree(old: Placement, new: Placement | None, mode: str, exclude_sources, group,
@@ -106,31 +108,39 @@ def _agree(old: Placement, new: Placement | None, mode: str, exclude_sources, gr
     """Rank 0's (new placement, mode, exclusions) on every rank, once every rank is known to
     hold the same old placement (and its own share of it: `holds_rank`).
 
-    One all-gather of one int64 row per rank (placement fingerprint, ok, then rank 0's
-    status, mode, exclusion mask and new table) and one device->host copy, whatever the
-    model size. Nothing is pickled.
+    Two small collectives whatever the model size: an all-reduce of each rank's placement
+    fingerprint (min of x and of -x: all equal iff min == max) and a broadcast of one int64
+    tensor (status, mode, exclusion mask, new table). Nothing is pickled.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
-    status = _request_status(old, new, mode) if rank == 0 else 0
-    ask = status == 1
-    head = [old.fingerprint(), int(holds_rank and old.ep_size == world), status,
-            MODES.index(mode) if ask else 0]
-    skip = set(exclude_sources)
-    head += [int(ask and k in skip) for k in range(world)]
-    table = new.table.reshape(-1) if ask else torch.zeros(old.table.numel(), dtype=torch.long)
-    every = gather_rows(torch.cat([torch.tensor(head, dtype=torch.long), table]), group, device)
-    n = len(head)
-    heads = every[:, :n].tolist()
-    if any(h[0] != heads[0][0] or not h[1] for h in heads):
+    fp = old.fingerprint()
+    ok = int(holds_rank and old.ep_size == world)
+    votes = torch.tensor([fp, -fp, ok], dtype=torch.int64, device=device)
+    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    low, neg_high, all_ok = votes.tolist()
+    if low != -neg_high or not all_ok:
         raise RebalanceError("ranks disagree on the current placement (or a rank holds another "
                              "rank's share, or ep_size is not the world size); nothing was changed")
-    status, mode_index, excluded = heads[0][2], heads[0][3], heads[0][4:]
+    cells = old.table.numel()
+    payload = torch.zeros(2 + world + cells, dtype=torch.int64)
+    if rank == 0:
+        status = _request_status(old, new, mode)
+        payload[0] = status
+        if status == 1:
+            payload[1] = MODES.index(mode)
+            payload[2:2 + world][[k for k in sorted(set(exclude_sources)) if 0 <= k < world]] = 1
+            payload[2 + world:] = new.table.reshape(-1)
+    payload = payload.to(device)
+    dist.broadcast(payload, src=global_rank(group, 0), group=group)
+    payload = payload.cpu()
+    status = int(payload[0])
     if status != 1:
         raise RebalanceError(_REFUSED[status] + "; nothing was changed")
+    excluded = frozenset(payload[2:2 + world].nonzero().flatten().tolist())
     if rank != 0:
-        table = every[0, n:].view_as(old.table).clone()
+        table = payload[2 + world:].view_as(old.table)
         new = Placement(old.layers, old.num_experts, old.ep_size, old.slots_per_rank, table)
-    return new, MODES[mode_index], frozenset(k for k, x in enumerate(excluded) if x)
+    return new, MODES[int(payload[1])], excluded
 
 
 _REFUSED = {0: "rank 0 passed no new placement",
@@ -176,46 +186,56 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     comm = comm_device(device, group)
     rank = dist.get_rank(group)
     report = RebalanceReport(rank=rank, mode=mode)
-    sec = report.seconds
+    timer = _Timer(report.seconds, device)
     t_start = t = time.perf_counter()
 
     with model.reload_lock:
         new, mode, excluded = _agree(old, new, mode, exclude_sources, group, comm,
                                      holds_rank=getattr(model, "ep_rank", rank) == rank)
-        t = _mark(sec, "agree", t)
+        t = timer.mark("agree", t, sync=False)
         report.mode = mode
         try:  # every rank has the same inputs, so every rank fails here alike
             plan = RebalancePlan.build(old, new, mode, excluded)
         except ValueError as e:
             raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
         mine = plan.ranks[rank]
-        by_index = [layers[lid] for lid in old.layers]  # the plan's layer indices
-        moves = Transfer(mine, lambda li: row_bytes(by_index[li]), old.num_experts, device)
         report.slots_changed = mine.slots_changed
         report.experts_local, report.experts_p2p, report.experts_disk = (
             mine.count("local"), mine.count("peer"), mine.count("disk"))
-        report.experts_sent = mine.sends_to.shape[0]
-        t = _mark(sec, "plan", t)
+        report.experts_sent = sum(len(v) for v in mine.sends.values())
+        t = timer.mark("plan", t, sync=False)
 
         error: BaseException | None = None
-        send = {p: torch.empty(n, dtype=torch.uint8, device=comm) for p, (n, _) in moves.sends.items()}
-        recv = {p: torch.empty(n, dtype=torch.uint8, device=comm) for p, (n, _) in moves.recvs.items()}
-        try:  # first: the exchange starts sooner
-            for peer, (_, runs) in moves.sends.items():
-                _pack(by_index, moves, runs, send[peer])
+        backup: dict[int, tuple] = {}
+        chunks: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # layer -> [(experts, packed)]
+        send_bufs = {p: _alloc(layers, items, comm) for p, items in mine.sends.items()}
+        recv_bufs = {p: _alloc(layers, items, comm) for p, items in mine.recvs.items()}
+        try:
+            for peer, items in mine.sends.items():  # first: the exchange starts sooner
+                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
+                    pack_slots(layers[lid], part, out=buf)
         except Exception as e:  # still take part in the exchange, then fail together
             error = e
-        works = _post_exchange(send, recv, group)
-        report.bytes_sent = sum(b.numel() for b in send.values())
-        report.bytes_received = sum(b.numel() for b in recv.values())
-        backup = local = None
+        t = timer.mark("stage", t)
+        works = _post_exchange(send_bufs, recv_bufs, group)
+        report.bytes_sent = sum(b.numel() for b in send_bufs.values())
+        report.bytes_received = sum(b.numel() for b in recv_bufs.values())
+        t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
+
         try:  # backups and local copies while the exchange is in flight
-            backup = _pack(by_index, moves, moves.backup[1], _empty(moves.backup[0], device))
-            local = _pack(by_index, moves, moves.local[1], _empty(moves.local[0], device))
-            report.bytes_local = local.numel()
+            for lid, changed in mine.changed.items():
+                layer = layers[lid]
+                slots = sorted(changed)
+                backup[lid] = (slots, pack_slots(layer, slots),
+                               [p.data.clone() for p in _merged_scales(layer)])
+                local = [(e, f.src_slot) for e, f in mine.fetch[lid].items() if f.source == "local"]
+                if local:
+                    packed = pack_slots(layer, [s for _, s in local])
+                    chunks.setdefault(lid, []).append(([e for e, _ in local], packed))
+                    report.bytes_local += packed.numel()
         except Exception as e:
             error = error or e
-        t = _mark(sec, "stage", t)
+        t = timer.mark("stage", t)
 
         with ExitStack() as held:
             # From here the model changes: running forwards finish, new ones wait.
@@ -224,48 +244,27 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 locked = True
             except RuntimeError as e:  # called from inside a forward of this model
                 error, locked = error or e, False
-            t = _mark(sec, "wait", t)
-            synchronize(device)  # forwards' kernels on any stream (and the exchange) finish
-            t = _mark(sec, "exchange", t)
-            written = False
-            if locked and error is None:
-                written = True
-                error = _write(model, by_index, moves, mine, new, rank, checkpoint, works, recv,
-                               local, report, t)
+            synchronize(device)
+            t = timer.mark("wait", t)
+            if locked:
+                error = _write(model, layers, mine, new, rank, checkpoint, works, recv_bufs,
+                               chunks, report, timer, t, error)
             else:  # write nothing, but let the exchange finish before failing together
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
-            failed = failed_ranks(error, group, comm)  # its host copy waits for the commit
+            failed = failed_ranks(error, group, comm)
             if failed:
-                if written:
-                    _restore(model, by_index, moves, send, backup, old, rank)
-                t = _mark(sec, "rollback", t)
+                if locked:
+                    _restore(model, layers, backup, old, rank)
+                t = timer.mark("rollback", t)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
                 raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled "
                                      f"back to the old placement{here}") from error
             model.placement = new
-            _mark(sec, "outcome", t)
-    sec["total"] = time.perf_counter() - t_start
+            timer.mark("outcome", t)
+    report.seconds["total"] = time.perf_counter() - t_start
     return report
-
-
-def _empty(nbytes: int, device) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
-
-
-def _pack(by_index, moves: Transfer, runs, buf: torch.Tensor) -> torch.Tensor:
-    """Gather each run's slots straight into its segment of `buf`."""
-    for run in runs:
-        pack_slots(by_index[run.li], moves.idx(run.index), out=buf[run.offset:run.offset + run.nbytes])
-    return buf
-
-
-def _scatter(by_index, moves: Transfer, runs, bufs) -> None:
-    """Write each (source, run) from its segment of ``bufs[source]`` into its slots."""
-    for source, run in runs:
-        write_slots(by_index[run.li], moves.idx(run.index),
-                    bufs[source][run.offset:run.offset + run.nbytes], moves.idx(run.rows))
 
 
 def _post_exchange(send_bufs, recv_bufs, group) -> list:
@@ -284,59 +283,94 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _write(model, by_index, moves: Transfer, mine, new: Placement, rank: int, checkpoint, works,
-           recv, local, report: RebalanceReport, t: float) -> BaseException | None:
-    """Under the write lock: new slot maps and disk experts, then every received and local
-    row into its slots (one scatter per parameter kind, source and layer). Returns the
-    first error."""
-    sec, error = report.seconds, None
+def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, recv_bufs, chunks,
+           report: RebalanceReport, timer: _Timer, t: float, error) -> BaseException | None:
+    """Under the write lock: disk experts (through the new slot maps) while the exchange is
+    in flight, then every received and local row into its slots. Returns the first error."""
     try:
-        for li in moves.changed_layers:
-            layer = by_index[li]
-            layer.expert_slots = new.local_slots(layer.layer_id, rank)
-        wanted = mine.disk_experts()
-        if wanted:
-            path = checkpoint if checkpoint is not None else model.checkpoint_path
-            rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
-            report.disk_report = rep
-            report.bytes_disk = rep.bytes_read
+        if error is None:
+            for lid, layer in layers.items():
+                layer.expert_slots = new.local_slots(lid, rank)
+            wanted = mine.disk_experts()
+            if wanted:
+                path = checkpoint if checkpoint is not None else model.checkpoint_path
+                rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
+                report.disk_report = rep
+                report.bytes_disk = rep.bytes_read
+        t = timer.mark("disk", t)
     except Exception as e:
         error = e
-    t = _mark(sec, "disk", t)
     try:
         _wait(works)
     except Exception as e:
         error = error or e
-    t = _mark(sec, "exchange", t)
+    t = timer.mark("exchange", t)
     try:
         if error is None:
-            _scatter(by_index, moves, moves.scatters, {**recv, rank: local})
-            _refresh(model, by_index, moves)
+            for peer, items in mine.recvs.items():
+                for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
+                    chunks.setdefault(lid, []).append((experts, buf))
+            for lid, changed in mine.changed.items():
+                layer = layers[lid]
+                slots_of: dict[int, list[int]] = {}  # new expert -> the slots it fills
+                for s in sorted(changed):
+                    slots_of.setdefault(changed[s], []).append(s)
+                for experts, packed in chunks.get(lid, []):
+                    dst = [s for e in experts for s in slots_of[e]]
+                    rows = [i for i, e in enumerate(experts) for _ in slots_of[e]]
+                    write_slots(layer, dst, packed, rows)
+                refresh_merged_input_scales(layer)
+                layer.weights_version += 1
+            if mine.changed:
+                clear_kernel_caches(model)
+            synchronize(model)
     except Exception as e:
         error = e
-    _mark(sec, "commit", t)
+    timer.mark("commit", t)
     return error
 
 
-def _refresh(model, by_index, moves: Transfer) -> None:
-    """After changed slots were written: merged input scales as a fresh load sets them,
-    a new weights version, no stale kernel caches."""
-    for li in moves.changed_layers:
-        refresh_merged_input_scales(by_index[li])
-        by_index[li].weights_version += 1
-    if moves.changed_layers:
-        clear_kernel_caches(model)
+def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
+    return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
 
 
-def _restore(model, by_index, moves: Transfer, send, backup, old: Placement, rank: int) -> None:
-    """The changed slots' old rows back (from the send buffers, or the backup), old slot maps."""
+def _alloc(layers, items, device) -> torch.Tensor:
+    """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
+    per_layer = Counter(lid for lid, _ in items)
+    return torch.empty(sum(n * row_bytes(layers[lid]) for lid, n in per_layer.items()),
+                       dtype=torch.uint8, device=device)
+
+
+def _segments(layers, items, buf: torch.Tensor):
+    """Split a peer buffer into per-layer runs: yields (layer, [slot|expert], packed view).
+
+    Items are ordered by layer (the plan appends them so), so each run is one
+    `pack_slots` block of consecutive bytes on both ends.
+    """
+    i = off = 0
+    while i < len(items):
+        lid = items[i][0]
+        j = i
+        while j < len(items) and items[j][0] == lid:
+            j += 1
+        n = (j - i) * row_bytes(layers[lid])
+        yield lid, [x for _, x in items[i:j]], buf[off:off + n]
+        off += n
+        i = j
+
+
+def _restore(model, layers, backup, old: Placement, rank: int) -> None:
     with torch.no_grad():
-        for li in moves.changed_layers:
-            layer = by_index[li]
-            layer.expert_slots = old.local_slots(layer.layer_id, rank)
+        for lid, layer in layers.items():
+            layer.expert_slots = old.local_slots(lid, rank)
+        for lid, (slots, rows, scales) in backup.items():
+            layer = layers[lid]
+            write_slots(layer, slots, rows)
+            for p, saved in zip(_merged_scales(layer), scales):
+                p.data.copy_(saved)
             layer.loaded_experts.clear()
             layer.staged.clear()
-        _scatter(by_index, moves, moves.restores, send)
-        _scatter(by_index, moves, [(None, run) for run in moves.backup[1]], {None: backup})
-        _refresh(model, by_index, moves)
+            layer.weights_version += 1
+    clear_kernel_caches(model)
     synchronize(model)
+

@@ -86,15 +86,13 @@ def row_bytes(layer: FusedMoE) -> int:
 def _index(slots, device) -> torch.Tensor:
     """`slots` as an index on `device`. To a GPU it goes from pinned memory without waiting
     for the device (the caching host allocator keeps the pinned block until the copy ran)."""
-    if isinstance(slots, torch.Tensor):  # already an index (a `Transfer`'s, on the device)
-        return slots.to(device)
     idx = torch.as_tensor(list(slots), dtype=torch.long)
     if torch.device(device).type == "cuda":
         return idx.pin_memory().to(device, non_blocking=True)
     return idx
 
 
-def pack_slots(layer: FusedMoE, slots: Sequence[int] | torch.Tensor, out: torch.Tensor | None = None
+def pack_slots(layer: FusedMoE, slots: Sequence[int], out: torch.Tensor | None = None
                ) -> torch.Tensor:
     """Copy the complete state of `slots` into a flat uint8 buffer (`out` if given).
 
@@ -121,8 +119,8 @@ def pack_slots(layer: FusedMoE, slots: Sequence[int] | torch.Tensor, out: torch.
     return out
 
 
-def write_slots(layer: FusedMoE, slots: Sequence[int] | torch.Tensor, packed: torch.Tensor,
-                rows: Sequence[int] | torch.Tensor | None = None) -> None:
+def write_slots(layer: FusedMoE, slots: Sequence[int], packed: torch.Tensor,
+                rows: Sequence[int] | None = None) -> None:
     """Scatter a `pack_slots` buffer into `slots` in place (Parameters keep their identity).
 
     `packed` holds `k` slots; slot ``slots[i]`` takes packed row ``rows[i]``
@@ -136,9 +134,7 @@ def write_slots(layer: FusedMoE, slots: Sequence[int] | torch.Tensor, packed: to
     k = packed.numel() // width
     packed = packed.to(dev)
     dst = _index(slots, dev)
-    if rows is not None and not isinstance(rows, torch.Tensor) and list(rows) == list(range(k)):
-        rows = None
-    pick = None if rows is None else _index(rows, dev)
+    pick = None if rows is None or list(rows) == list(range(k)) else _index(rows, dev)
     off = 0
     for t in slot_tensors(layer):
         n = _rows(t).shape[1]
