@@ -104,7 +104,7 @@ class Checkpoint:
         # kept with this parsed checkpoint, i.e. while `unchanged()`:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
-        self.plans: dict = {}  # full-reload plans by model (reload/transaction.py)
+        self.plans: dict = {}  # by model: what planning its reloads works out once (reload/plan.py)
 
     def _check_directory(self) -> None:
         try:

@@ -15,7 +15,7 @@ Kinds of target:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -47,29 +47,38 @@ def _default_loaded(param) -> bool:
 STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "0") == "1"
 
 
-def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool) -> list[Target]:
+def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
+                 known: dict | None = None) -> list[Target]:
     """One `Target` per tensor that lands somewhere, in file order.
 
     Tensors of experts this rank does not hold land nowhere and are dropped. bf16 expert
     weights are quantized in the copy path only with `quantize_on_device` (a GPU with
     Triton) and when an expert's three pieces are adjacent in one file; otherwise they
-    take the loader, which stages them for post-processing.
+    take the loader, which stages them for post-processing. `known` (name -> Target or
+    None, filled here) keeps what was worked out for a tensor: where a tensor lands does
+    not change while the checkpoint's files and the model's Parameters do not.
     """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
+    known = {} if known is None else known
     out = []
     for info in sorted(infos, key=lambda i: (i.file, i.offset)):
-        pname, module_name, kw = model.resolve(info.name)
-        param, module = params[pname], modules[module_name]
-        target = _target(info, param, module, kw)
-        target.module_name = module_name
-        if target.kind in ("copy", "scalar") and not target.views:
-            continue
-        if target.kind == "quant" and not target.slots:
-            continue
-        out.append(target)
+        target = known.get(info.name, False)
+        if target is False:
+            target = known[info.name] = _landing(model, info)
+        if target is not None:  # quant targets are decided per reload: a copy of the cached one
+            out.append(replace(target) if target.kind == "quant" else target)
     _quant_units_or_loader(out, quantize_on_device)
     return out
+
+
+def _landing(model, info: TensorInfo) -> Target | None:
+    pname, module_name, kw = model.resolve(info.name)
+    target = _target(info, model.get_parameter(pname), model.get_submodule(module_name), kw)
+    target.module_name = module_name
+    if target.kind in ("copy", "scalar") and not target.views:
+        return None
+    if target.kind == "quant" and not target.slots:
+        return None
+    return target
 
 
 def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool) -> None:

@@ -45,9 +45,16 @@ from ..processing import get_mode, process_modules
 from ..processing.ops import on_triton
 from .backup import BACKUP_PLACES, capture_backup, roll_back
 from .filters import NameFilter, experts_by_layer
-from .plan import check_compatible, checkpoint_stamp, nothing_written, open_checkpoint, plan, stage
+from .plan import (
+    check_compatible,
+    checkpoint_stamp,
+    nothing_written,
+    open_checkpoint,
+    plan,
+    plan_reload,
+    stage,
+)
 from .stream import commit, prepare
-from .targets import plan_targets
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -178,18 +185,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 ckpt = open_checkpoint(model, path)
                 stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
-                # a full reload's plan depends only on the model and the parsed checkpoint:
-                # kept with it (the files unchanged), as EPLB and RL reload it again
-                key = id(model) if streaming and weight_name_filter is None else None
-                if key is not None and key in ckpt.plans:
-                    names, targets = ckpt.plans[key]
+                if streaming:  # what is worked out once per checkpoint is kept with it
+                    names, targets = plan_reload(model, ckpt, weight_name_filter,
+                                                 on_triton_device(model), mode.expand_units)
                 else:
                     names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
-                    if streaming:
-                        targets = plan_targets(model, [ckpt.info(n) for n in names],
-                                               quantize_on_device=on_triton_device(model))
-                    if key is not None:
-                        ckpt.plans[key] = (names, targets)
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if on_cuda(model) else None
