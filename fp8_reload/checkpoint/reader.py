@@ -101,6 +101,7 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self.weight_map = self._weight_map()
+        self.shard_files = sorted(set(self.weight_map.values()))
         # kept with this parsed checkpoint, i.e. while `unchanged()`:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it

@@ -196,9 +196,9 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))
-    gpu_host = where == "host" and on_cuda(model)
-    backup.planned = (staging.arena(model, "backup") if gpu_host else None,
-                      stream if on_cuda(model) else None)
+    cuda = on_cuda(model)
+    backup.planned = (staging.arena(model, "backup") if cuda and where == "host" else None,
+                      stream if cuda else None)
     if start:
         backup.start()
     return backup

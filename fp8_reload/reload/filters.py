@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
 from ..checkpoint import tensor_layout
 from ..layers import EXPERT_RE
@@ -88,6 +89,17 @@ def units(model) -> tuple[dict, dict, dict]:
             members.setdefault(u, []).append(n)
             position[n] = k
         cached = model.__dict__["_units_cache"] = (of, members, position)
+    return cached
+
+
+def processing_order(model) -> dict[str, tuple[int, nn.Module]]:
+    """{name: (position, module)} of the model's quantized modules, in the order
+    `quantized_modules` gives (the post-processing order), cached: a reload then orders
+    the modules it touched without walking the whole model."""
+    cached = model.__dict__.get("_processing_order")
+    if cached is None:
+        cached = {n: (k, m) for k, (n, m) in enumerate(model.quantized_modules())}
+        model.__dict__["_processing_order"] = cached
     return cached
 
 
