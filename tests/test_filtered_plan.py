@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 
 import pytest
+import torch
 
 import fp8_reload as fr
 from fp8_reload.errors import ReloadError
@@ -180,3 +181,39 @@ def test_a_shard_replaced_between_filtered_reloads_is_replanned(ckpts, tmp_path)
         (path / f.name).write_bytes(f.read_bytes())
     fr.update_weights_from_disk(model, path, flt)
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 0])), fr.snapshot(model)) == []
+
+
+@pytest.mark.parametrize("spec", [None, {1: [0, 3], 2: [5]}], ids=["full", "filtered"])
+def test_targets_follow_experts_moved_between_reloads(ckpts, spec):
+    """A rebalance moves experts to other slots (`expert_slots`) and reloads them: what
+    was planned for the old slots must not be reused."""
+    moved = {e: [(e + 3) % 8] for e in range(8)}
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0], flt)  # targets planned for slot = expert
+    for _, layer in model.moe_layers():
+        layer.expert_slots = moved
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])  # every expert into its new slot
+    expected = fr.snapshot(fr.load_model(ckpts["fp8", 0], expert_slots=lambda layer_id: moved))
+    assert fr.compare_states(expected, fr.snapshot(model)) == []
+    if flt is not None:
+        fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+        mixed = fr.load_model(ckpts["fp8", 0], expert_slots=lambda layer_id: moved)
+        fr.update_weights_from_disk(mixed, ckpts["fp8", 1], fr.generate_weight_name_filter(spec))
+        assert fr.compare_states(fr.snapshot(mixed), fr.snapshot(model)) == []
+
+
+def test_targets_follow_a_replaced_parameter(ckpts, tmp_path):
+    flt = fr.generate_weight_name_filter({1: [0, 3]})
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0], flt)  # targets planned
+    moe = dict(model.moe_layers())["model.layers.1.mlp.experts"]
+    for name in ("w13_weight", "w2_weight_scale"):
+        old = getattr(moe, name)
+        new = torch.nn.Parameter(old.data.clone(), requires_grad=False)
+        for attr in ("weight_loader", "quant_method"):
+            if hasattr(old, attr):
+                setattr(new, attr, getattr(old, attr))
+        setattr(moe, name, new)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+    assert fr.compare_states(_expected(ckpts, "fp8", {1: [0, 3]}, tmp_path), fr.snapshot(model)) == []

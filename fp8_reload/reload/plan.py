@@ -25,15 +25,15 @@ from ..errors import (
     ReloadError,
 )
 from .filters import ExpertFilter, NameFilter, expected_layout, units
-from .targets import Target, plan_targets
+from .targets import Target, TargetCache, plan_targets
 
 
 def checkpoint_stamp(ckpt: Checkpoint) -> tuple:
     """The stamps of every file of `ckpt`, compared before and after a streaming commit:
     a file changed meanwhile may have been read torn (short of a writer that restores
     mtime and ctime, or an in-place rewrite within the same timestamp tick)."""
-    names = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
-    return tuple(file_stamp(ckpt.path / f) for f in names)
+    base = str(ckpt.path)
+    return tuple(file_stamp(os.path.join(base, f)) for f in ["config.json", INDEX_FILE, *ckpt.shard_files])
 
 
 def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
@@ -97,7 +97,7 @@ class Planned:
         self.names = ckpt.names
         self.known = False  # every checkpoint name has a parameter in the model
         self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
-        self.targets: dict = {}  # name -> Target, or None where a tensor lands nowhere
+        self.targets = TargetCache()
         self.full: tuple | None = None  # (names, targets) of a full streaming reload
 
     def select(self, weight_name_filter: NameFilter) -> list[str]:
@@ -168,9 +168,10 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
                 quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
     """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
     engine. A full reload's plan depends only on the model and the parsed checkpoint: it
-    is kept whole; a filtered one reuses the targets of tensors planned before."""
+    is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
+    the targets of tensors planned before."""
     done = planned(model, ckpt)
-    if weight_name_filter is None and done.full is not None:
+    if weight_name_filter is None and done.full is not None and done.targets.unchanged(model):
         return done.full
     names = plan(model, ckpt, weight_name_filter, expand_units)
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, done.targets)

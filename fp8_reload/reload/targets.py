@@ -48,26 +48,80 @@ STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "0") == "1"
 
 
 def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
-                 known: dict | None = None) -> list[Target]:
+                 cache: TargetCache | None = None) -> list[Target]:
     """One `Target` per tensor that lands somewhere, in file order.
 
     Tensors of experts this rank does not hold land nowhere and are dropped. bf16 expert
     weights are quantized in the copy path only with `quantize_on_device` (a GPU with
     Triton) and when an expert's three pieces are adjacent in one file; otherwise they
-    take the loader, which stages them for post-processing. `known` (name -> Target or
-    None, filled here) keeps what was worked out for a tensor: where a tensor lands does
-    not change while the checkpoint's files and the model's Parameters do not.
+    take the loader, which stages them for post-processing. `cache` keeps what was
+    worked out for each tensor between calls (see `TargetCache`).
     """
-    known = {} if known is None else known
+    cache = TargetCache() if cache is None else cache
+    checked: dict[str, dict] = {}
     out = []
     for info in sorted(infos, key=lambda i: (i.file, i.offset)):
+        known = cache.module_targets(model, info.name, checked)
         target = known.get(info.name, False)
         if target is False:
             target = known[info.name] = _landing(model, info)
-        if target is not None:  # quant targets are decided per reload: a copy of the cached one
+        if target is not None:  # quant targets are decided per call: a copy of the cached one
             out.append(replace(target) if target.kind == "quant" else target)
     _quant_units_or_loader(out, quantize_on_device)
     return out
+
+
+class TargetCache:
+    """Where tensors land, kept between reloads. A module's targets are views of its
+    Parameters' memory at the slots its expert map gives: they are reused only while its
+    quant method and Parameter objects are the same, over the same memory (pointer,
+    shape, strides), with the same expert map (the modules themselves are fixed once the
+    model is built). A Parameter replaced or rebound, or experts moved by a rebalance,
+    and that module's targets are worked out again."""
+
+    def __init__(self):
+        self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
+        self.modules: dict[str, tuple[tuple, tuple, dict]] = {}  # name -> (*state, targets)
+        self.named: dict[str, nn.Module] | None = None  # the model's modules (built once, fixed)
+
+    def _module(self, model, name: str) -> nn.Module:
+        if self.named is None:
+            self.named = dict(model.named_modules())
+        return self.named[name]
+
+    def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
+        """{name: Target or None} of the module of tensor `name`, its state checked once
+        per call (`checked`)."""
+        module_name = self.module_of.get(name)
+        if module_name is None:
+            module_name = self.module_of[name] = model.resolve(name)[1]
+        known = checked.get(module_name)
+        if known is None:
+            refs, values = _state(self._module(model, module_name))
+            cached = self.modules.get(module_name)
+            if cached is None or not _same(cached[:2], (refs, values)):
+                cached = self.modules[module_name] = (refs, values, {})
+            known = checked[module_name] = cached[2]
+        return known
+
+    def unchanged(self, model) -> bool:
+        """Whether every module planned so far is as it was."""
+        return all(_same(c[:2], _state(self._module(model, m))) for m, c in self.modules.items())
+
+
+def _state(module) -> tuple[tuple, tuple]:
+    """(objects compared by identity, values compared by equality) a module's targets
+    are worked out from."""
+    params = [(k, p) for k, p in module._parameters.items() if p is not None]
+    slots = getattr(module, "expert_slots", None)
+    refs = (module, getattr(module, "quant_method", None), *(p for _, p in params))
+    values = (None if slots is None else {e: tuple(s) for e, s in slots.items()},
+              tuple((k, p.data_ptr(), tuple(p.shape), p.stride()) for k, p in params))
+    return refs, values
+
+
+def _same(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
+    return len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0])) and a[1] == b[1]
 
 
 def _landing(model, info: TensorInfo) -> Target | None:
