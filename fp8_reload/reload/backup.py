@@ -20,6 +20,7 @@ from ..device import on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
 from ..quant import index_copy_
+from .filters import modules_by_name
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # Tensors at most this big (scales, norms' small buffers) are backed up together, one
@@ -176,20 +177,16 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
     streaming reload starts them once forwards have drained, so that waiting for the
     forwards does not also wait for the backup)."""
     slots: dict[str, set[int]] = {}
-    modules: dict[str, nn.Module] = {}
+    modules = modules_by_name(model)
     for n in names:
         _, module_name, kw = model.resolve(n)
         s = slots.setdefault(module_name, set())
-        if module_name not in modules:
-            modules[module_name] = model.get_submodule(module_name)
         if "expert_id" in kw:
             s.update(modules[module_name].local_slots(kw["expert_id"]))
     backup = Backup(where)
     targets = set(slots)
     if process_all:
-        quantized = dict(model.quantized_modules())
-        targets |= set(quantized)
-        modules.update(quantized)
+        targets |= {name for name, _ in model.quantized_modules()}
     rank = {n: k for k, n in enumerate(order or [])}
     for name in sorted(targets, key=lambda n: (rank.get(n, len(rank)), n)):
         module = modules[name]

@@ -92,6 +92,16 @@ def units(model) -> tuple[dict, dict, dict]:
     return cached
 
 
+def modules_by_name(model) -> dict[str, nn.Module]:
+    """{name: module} of the whole model, cached (its modules are fixed once built): a
+    reload looks its modules up here, not by walking the model or by `get_submodule`
+    (whose attribute lookups with fresh strings fill the interpreter's type cache)."""
+    cached = model.__dict__.get("_modules_by_name")
+    if cached is None:
+        cached = model.__dict__["_modules_by_name"] = dict(model.named_modules())
+    return cached
+
+
 def processing_order(model) -> dict[str, tuple[int, nn.Module]]:
     """{name: (position, module)} of the model's quantized modules, in the order
     `quantized_modules` gives (the post-processing order), cached: a reload then orders

@@ -23,6 +23,7 @@ from torch import nn
 from ..checkpoint.header import TensorInfo
 from ..layers import Fp8Linear, FusedMoE
 from ..processing import FixedFp8LinearMethod, FixedFp8MoEMethod
+from .filters import modules_by_name
 
 
 @dataclass
@@ -82,12 +83,6 @@ class TargetCache:
     def __init__(self):
         self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
         self.modules: dict[str, tuple[tuple, tuple, dict]] = {}  # name -> (*state, targets)
-        self.named: dict[str, nn.Module] | None = None  # the model's modules (built once, fixed)
-
-    def _module(self, model, name: str) -> nn.Module:
-        if self.named is None:
-            self.named = dict(model.named_modules())
-        return self.named[name]
 
     def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
         """{name: Target or None} of the module of tensor `name`, its state checked once
@@ -97,7 +92,7 @@ class TargetCache:
             module_name = self.module_of[name] = model.resolve(name)[1]
         known = checked.get(module_name)
         if known is None:
-            refs, values = _state(self._module(model, module_name))
+            refs, values = _state(modules_by_name(model)[module_name])
             cached = self.modules.get(module_name)
             if cached is None or not _same(cached[:2], (refs, values)):
                 cached = self.modules[module_name] = (refs, values, {})
@@ -106,7 +101,8 @@ class TargetCache:
 
     def unchanged(self, model) -> bool:
         """Whether every module planned so far is as it was."""
-        return all(_same(c[:2], _state(self._module(model, m))) for m, c in self.modules.items())
+        named = modules_by_name(model)
+        return all(_same(c[:2], _state(named[m])) for m, c in self.modules.items())
 
 
 def _state(module) -> tuple[tuple, tuple]:
