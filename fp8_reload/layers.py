@@ -326,9 +326,12 @@ class FP8MoEModel(nn.Module):
             layer.backend = backend
 
     def moe_layers(self) -> Iterable[tuple[str, FusedMoE]]:
-        for name, module in self.named_modules():
-            if isinstance(module, FusedMoE):
-                yield name, module
+        """(name, layer) of every FusedMoE: one per MoE decoder layer, where the stack puts
+        it (a walk of every module costs each reload's cache invalidation O(model))."""
+        for i, layer in enumerate(self.model.layers):
+            experts = getattr(layer.mlp, "experts", None)
+            if isinstance(experts, FusedMoE):
+                yield f"model.layers.{i}.mlp.experts", experts
 
     def quantized_modules(self) -> Iterable[tuple[str, nn.Module]]:
         for name, module in self.named_modules():

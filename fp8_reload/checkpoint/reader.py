@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import stat
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from pathlib import Path, PurePosixPath
 
 import torch
@@ -36,7 +36,7 @@ from .header import (
     parse_json,
 )
 from .layout import INDEX_FILE, SINGLE_FILE
-from .staging import READ_THREADS, aligned
+from .staging import READ_THREADS, aligned, reader_threads
 
 
 def open_shard(fpath: Path):
@@ -101,10 +101,11 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self.weight_map = self._weight_map()
+        self.shard_files = sorted(set(self.weight_map.values()))
         # kept with this parsed checkpoint, i.e. while `unchanged()`:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
-        self.plans: dict = {}  # full-reload plans by model (reload/transaction.py)
+        self.plans: dict = {}  # by model: what planning its reloads works out once (reload/plan.py)
         self.scalars: dict[str, float] = {}  # 0-dim scales read once (reload/chunks.py)
 
     def _check_directory(self) -> None:
@@ -339,15 +340,18 @@ class Checkpoint:
                 for f, h in handles.items():
                     self._check_untouched(f, h, stamps[f])
                 return
-            pool = ThreadPoolExecutor(min(READ_THREADS, len(infos)))
+            futures = []
             try:
-                futures = [pool.submit(work, k) for k in range(len(infos))]
+                with reader_threads() as pool:
+                    futures += [pool.submit(work, k) for k in range(len(infos))]
                 for info, future in zip(infos, futures):
                     tensor = future.result()
                     stats["bytes_read"] += info.nbytes
                     yield info.name, tensor
             finally:  # an error, or the consumer stopped: no read outlives the handles
-                pool.shutdown(wait=True, cancel_futures=True)
+                for future in futures:
+                    future.cancel()
+                wait(futures)
         for f, h in handles.items():
             self._check_untouched(f, h, stamps[f])
 

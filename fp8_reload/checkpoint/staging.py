@@ -13,11 +13,34 @@ steady-state reloads allocate nothing; `release_staging(model)` frees them.
 from __future__ import annotations
 
 import os
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 
 import torch
 
 ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can view it)
 READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", "8"))
+
+
+_pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, pool)
+_pool_lock = threading.Lock()
+
+
+@contextmanager
+def reader_threads() -> Iterator[ThreadPoolExecutor]:
+    """The `READ_THREADS` reader threads every reload shares (leaving the block does not
+    stop them; the caller waits for what it submitted). Started once per process:
+    starting them anew per reload costs a reload of a few experts more than its reads.
+    A forked child starts its own (the parent's threads do not exist there)."""
+    global _pool
+    with _pool_lock:
+        if _pool is None or _pool[0] != os.getpid():
+            _pool = (os.getpid(), ThreadPoolExecutor(max(1, READ_THREADS),
+                                                     thread_name_prefix="fp8_reload-reader"))
+        pool = _pool[1]
+    yield pool
 
 
 def _align(n: int) -> int:

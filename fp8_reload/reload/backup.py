@@ -20,8 +20,12 @@ from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
 from ..quant import index_copy_
+from .filters import modules_by_name
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
+# Tensors at most this big (scales, norms' small buffers) are backed up together, one
+# batched copy per dtype: on a GPU each separate copy costs a launch, whatever its size.
+SMALL_BYTES = 1 << 16
 # "host": copies in CPU memory (no device memory needed); "device": copies next to
 # the weights (fast on a GPU, costs `backup_bytes` of device memory).
 BACKUP_PLACES = ("host", "device")
@@ -51,8 +55,9 @@ class Backup:
             raise ValueError(f"backup must be one of {', '.join(BACKUP_PLACES)}, got {where!r}")
         self.where = where
         self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
-        self.copies: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
-        self.pending: list[tuple[nn.Module, torch.Tensor, torch.Tensor | None]] = []
+        # (tensor, [start, end) of its slots or None for all of it, the copy)
+        self.copies: list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]] = []
+        self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None]] = []
         self.nbytes = 0
         self.stream = None  # the side stream the copies ran on, if any
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
@@ -62,41 +67,59 @@ class Backup:
         """Run the copies `capture_backup(..., start=False)` planned."""
         self.run(*self.planned)
 
-    def _copy(self, module: nn.Module, tensor: torch.Tensor, index: torch.Tensor | None) -> None:
-        self.pending.append((module, tensor, index))
-
     def run(self, arena=None, stream=None) -> None:
-        """Make the copies planned by `capture`, in capture order. With `arena` (host
-        backups of a GPU model) they go into its pinned memory as async device-to-host
-        copies. With `stream` they run there, an event per module (`event_for`) telling
-        the writes of that module when they may start; otherwise the current stream
-        orders them before the writes."""
-        sizes = [(t.numel() if i is None else i.numel() * t[0].numel()) * t.element_size()
-                 for _, t, i in self.pending]
+        """Make the copies planned by `capture`. Small tensors (scales) go first, in one
+        batched copy per dtype; then each module's reloaded slots of its big weights, one
+        copy per run of adjacent slots (a view: no gather, no index to send to the
+        device). With `arena` (host backups of a GPU model) they go into its pinned
+        memory as async device-to-host copies. With `stream` they run there, an event per
+        module (`event_for`) telling the writes of that module when they may start;
+        otherwise the current stream orders them before the writes."""
+        small: dict[torch.dtype, list[torch.Tensor]] = {}
+        big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None]] = []
+        for module, tensor, slots in self.pending:
+            if slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+                small.setdefault(tensor.dtype, []).append(tensor)
+            else:
+                if slots is None:
+                    big.append((module, _dense_view(tensor), None))
+                else:
+                    big += [(module, tensor, run) for run in _runs(slots)]
         if arena is not None:
+            sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
+            sizes += [_piece(t, r).numel() * t.element_size() for _, t, r in big]
             arena.reset(sum(staging.aligned(n) for n in sizes))
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
             self.stream = stream
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for k, ((module, tensor, index), n) in enumerate(zip(self.pending, sizes)):
-                if index is None:
-                    tensor = _dense_view(tensor)
-                src = tensor if index is None else tensor.index_select(0, index.to(tensor.device))
-                if arena is not None:
-                    copy = staging.typed_slice(arena, src.dtype, src.shape)
-                    copy_async(copy, src, torch.cuda.current_stream(src.device))
-                elif self.where == "host":
-                    copy = src.to("cpu", copy=index is None)
-                else:
-                    copy = src.clone() if index is None else src
-                self.copies.append((tensor, index, copy))
-                self.nbytes += n
-                last = k + 1 == len(self.pending) or self.pending[k + 1][0] is not module
-                if stream is not None and last:
+            for tensors in small.values():
+                flat = self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena, fresh=True)
+                at = 0
+                for t in tensors:
+                    self.copies.append((t, None, flat[at:at + t.numel()].view(t.shape)))
+                    at += t.numel()
+            if stream is not None:
+                first = torch.cuda.Event()
+                first.record(stream)
+                self.events = {id(module): first for module, _, _ in self.pending}
+            for k, (module, tensor, run) in enumerate(big):
+                self.copies.append((tensor, run, self._keep(_piece(tensor, run), arena, fresh=False)))
+                if stream is not None and (k + 1 == len(big) or big[k + 1][0] is not module):
                     self.events[id(module)] = event = torch.cuda.Event()
                     event.record(stream)
+        self.nbytes = sum(c.numel() * c.element_size() for _, _, c in self.copies)
         self.pending = []
+
+    def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
+        """The backup copy of `src` (`fresh`: a new tensor nothing else holds)."""
+        if arena is not None:
+            copy = staging.typed_slice(arena, src.dtype, src.shape)
+            copy_async(copy, src, torch.cuda.current_stream(src.device))
+            return copy
+        if self.where == "host":
+            return src.to("cpu", copy=not fresh)
+        return src if fresh else src.clone()
 
     def event_for(self, module: nn.Module):
         """The event after which `module` may be overwritten; None when the copies were
@@ -114,15 +137,14 @@ class Backup:
         if isinstance(module, FusedMoE):
             state["loaded_experts"] = set(module.loaded_experts)
         self.modules.append((module, params, buffers, datas, state))
-        index = torch.tensor(slots, dtype=torch.long) if slots is not None else None
         for name, p in params.items():
             if p is None:
                 continue
             big = isinstance(module, FusedMoE) and name in ("w13_weight", "w2_weight")
-            self._copy(module, p.data, index if big else None)
+            self.pending.append((module, p.data, slots if big else None))
         for buf in buffers.values():
             if buf is not None:
-                self._copy(module, buf, None)
+                self.pending.append((module, buf, None))
 
     def restore(self) -> None:
         """Objects and small state first (cannot fail), then the bytes."""
@@ -138,11 +160,26 @@ class Backup:
             for k, v in state.items():
                 setattr(module, k, v)
         with torch.no_grad():
-            for tensor, index, host in self.copies:
-                if index is None:
-                    tensor.copy_(host)
+            for tensor, run, copy in self.copies:
+                if run is None:
+                    tensor.copy_(copy)
                 else:
-                    index_copy_(tensor, 0, index.to(tensor.device), host.to(tensor.device))
+                    index_copy_(tensor, 0, torch.arange(*run, device=tensor.device), copy.to(tensor.device))
+
+
+def _runs(slots: list[int]) -> list[tuple[int, int]]:
+    """Sorted slots as [start, end) runs of adjacent ones."""
+    runs: list[tuple[int, int]] = []
+    for s in slots:
+        if runs and runs[-1][1] == s:
+            runs[-1] = (runs[-1][0], s + 1)
+        else:
+            runs.append((s, s + 1))
+    return runs
+
+
+def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
+    return tensor if run is None else tensor[run[0]:run[1]]
 
 
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
@@ -153,7 +190,7 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
     streaming reload starts them once forwards have drained, so that waiting for the
     forwards does not also wait for the backup)."""
     slots: dict[str, set[int]] = {}
-    modules = dict(model.named_modules())
+    modules = modules_by_name(model)
     for n in names:
         _, module_name, kw = model.resolve(n)
         s = slots.setdefault(module_name, set())
@@ -169,9 +206,9 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))
-    gpu_host = where == "host" and on_cuda(model)
-    backup.planned = (staging.arena(model, "backup") if gpu_host else None,
-                      stream if on_cuda(model) else None)
+    cuda = on_cuda(model)
+    backup.planned = (staging.arena(model, "backup") if cuda and where == "host" else None,
+                      stream if cuda else None)
     if start:
         backup.start()
     return backup

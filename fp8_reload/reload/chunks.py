@@ -17,14 +17,14 @@ from __future__ import annotations
 import os
 import struct
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import torch
 
 from .. import trace
 from ..checkpoint.reader import Checkpoint, open_shard, read_span
-from ..checkpoint.staging import READ_THREADS, held
+from ..checkpoint.staging import held, reader_threads
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
 from .targets import Target
@@ -204,13 +204,14 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
         for f in sorted({c.file for c in chunks}):  # still the parsed files (Checkpoint.open_shard)
             handles[f], _ = ckpt.open_shard(f)
         stats["files_opened"] = stats.get("files_opened", 0) + len(handles)
-        with ThreadPoolExecutor(max(1, READ_THREADS)) as pool:
+        with reader_threads() as pool:
             pending = {k: submit(pool, k) for k in range(min(slots, len(chunks)))}
             try:
                 for k, chunk in enumerate(chunks):
                     with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
-                        for f in pending.pop(k):
+                        for f in pending[k]:
                             f.result()
+                        del pending[k]  # kept until read whole: a failure waits for its other pieces
                     slot = k % slots
                     ring.events[slot] = land(chunk, ring.buffers[slot])
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes

@@ -6,6 +6,7 @@ import re
 from collections.abc import Callable, Iterable
 
 import torch
+from torch import nn
 
 from ..checkpoint import tensor_layout
 from ..layers import EXPERT_RE
@@ -13,17 +14,40 @@ from ..layers import EXPERT_RE
 NameFilter = Callable[[str], bool]
 
 
-def generate_weight_name_filter(layer_experts: dict[int, Iterable[int]]) -> NameFilter:
+class ExpertFilter:
+    """EPLB's filter: matches checkpoint tensors of the given experts of the given layers.
+
+    A callable like any filter, that also carries its (layer, expert) pairs: the planner
+    then takes the matching tensors from a per-checkpoint index (`key` of every name,
+    computed once) instead of calling the filter on every name of the checkpoint, so a
+    small reload costs what it reloads, not what the checkpoint holds. Both answer the
+    same, by construction: the index is built with `key`, and `__call__` is `key`.
+    """
+
+    __slots__ = ("wanted", "layer_experts")
+    _pattern = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.")
+
+    def __init__(self, layer_experts: dict[int, Iterable[int]]):
+        layer_experts = {k: sorted(set(v)) for k, v in layer_experts.items()}
+        self.wanted = frozenset((int(layer), int(e)) for layer, es in layer_experts.items() for e in es)
+        self.layer_experts = layer_experts
+
+    @staticmethod
+    def key(name: str) -> tuple[int, int] | None:
+        """(layer, expert) of an expert tensor's name, None for any other name."""
+        m = ExpertFilter._pattern.search(name)
+        return None if m is None else (int(m.group(1)), int(m.group(2)))
+
+    def __call__(self, name: str) -> bool:
+        return self.key(name) in self.wanted
+
+    def __repr__(self) -> str:
+        return f"generate_weight_name_filter({self.layer_experts!r})"
+
+
+def generate_weight_name_filter(layer_experts: dict[int, Iterable[int]]) -> ExpertFilter:
     """EPLB's filter: matches checkpoint tensors of the given experts of the given layers."""
-    wanted = {(int(layer), int(e)) for layer, experts in layer_experts.items() for e in experts}
-    pattern = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.")
-
-    def weight_name_filter(name: str) -> bool:
-        m = pattern.search(name)
-        return m is not None and (int(m.group(1)), int(m.group(2))) in wanted
-
-    weight_name_filter.layer_experts = {k: sorted(set(v)) for k, v in layer_experts.items()}
-    return weight_name_filter
+    return ExpertFilter(layer_experts)
 
 
 def eplb_filter(cfg, experts_per_layer: int) -> tuple[NameFilter, dict[int, list[int]]]:
@@ -54,15 +78,38 @@ def unit_of(model, name: str) -> tuple[str, int | None]:
     return module, kw.get("expert_id")
 
 
-def units(model) -> tuple[dict, dict]:
-    """(name -> unit, unit -> names in checkpoint order) of the model's layout, cached."""
+def units(model) -> tuple[dict, dict, dict]:
+    """(name -> unit, unit -> names in layout order, name -> position in the layout) of the
+    model's layout, cached."""
     cached = model.__dict__.get("_units_cache")
     if cached is None:
-        of, members = {}, {}
-        for n in expected_layout(model):
+        of, members, position = {}, {}, {}
+        for k, n in enumerate(expected_layout(model)):
             u = of[n] = unit_of(model, n)
             members.setdefault(u, []).append(n)
-        cached = model.__dict__["_units_cache"] = (of, members)
+            position[n] = k
+        cached = model.__dict__["_units_cache"] = (of, members, position)
+    return cached
+
+
+def modules_by_name(model) -> dict[str, nn.Module]:
+    """{name: module} of the whole model, cached (its modules are fixed once built): a
+    reload looks its modules up here, not by walking the model or by `get_submodule`
+    (whose attribute lookups with fresh strings fill the interpreter's type cache)."""
+    cached = model.__dict__.get("_modules_by_name")
+    if cached is None:
+        cached = model.__dict__["_modules_by_name"] = dict(model.named_modules())
+    return cached
+
+
+def processing_order(model) -> dict[str, tuple[int, nn.Module]]:
+    """{name: (position, module)} of the model's quantized modules, in the order
+    `quantized_modules` gives (the post-processing order), cached: a reload then orders
+    the modules it touched without walking the whole model."""
+    cached = model.__dict__.get("_processing_order")
+    if cached is None:
+        cached = {n: (k, m) for k, (n, m) in enumerate(model.quantized_modules())}
+        model.__dict__["_processing_order"] = cached
     return cached
 
 

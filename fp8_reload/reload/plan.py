@@ -24,15 +24,16 @@ from ..errors import (
     MissingTensorError,
     ReloadError,
 )
-from .filters import NameFilter, expected_layout, units
+from .filters import ExpertFilter, NameFilter, expected_layout, units
+from .targets import Target, TargetCache, plan_targets
 
 
 def checkpoint_stamp(ckpt: Checkpoint) -> tuple:
     """The stamps of every file of `ckpt`, compared before and after a streaming commit:
     a file changed meanwhile may have been read torn (short of a writer that restores
     mtime and ctime, or an in-place rewrite within the same timestamp tick)."""
-    names = ["config.json", INDEX_FILE] + sorted(set(ckpt.weight_map.values()))
-    return tuple(file_stamp(ckpt.path / f) for f in names)
+    base = str(ckpt.path)
+    return tuple(file_stamp(os.path.join(base, f)) for f in ["config.json", INDEX_FILE, *ckpt.shard_files])
 
 
 def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
@@ -86,32 +87,73 @@ def _where(ckpt: Checkpoint, name: str) -> str:
     return f"{ckpt.path / ckpt.weight_map[name]}: tensor {name!r}"
 
 
+class Planned:
+    """What planning reloads of one parsed checkpoint into one model works out once. Kept
+    with the checkpoint (`ckpt.plans`; a checkpoint whose files changed is parsed anew,
+    without it), so that a small reload costs what it selects, not what the checkpoint
+    holds: EPLB reloads a few experts per layer from one checkpoint again and again."""
+
+    def __init__(self, ckpt: Checkpoint):
+        self.names = ckpt.names
+        self.known = False  # every checkpoint name has a parameter in the model
+        self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
+        self.targets = TargetCache()
+        self.full: tuple | None = None  # (names, targets) of a full streaming reload
+
+    def select(self, weight_name_filter: NameFilter) -> list[str]:
+        """The names the filter matches, in checkpoint order. An `ExpertFilter` is answered
+        from the index of `ExpertFilter.key` over all names (built on first use), any
+        other callable by calling it on every name."""
+        if type(weight_name_filter) is not ExpertFilter:
+            return [n for n in self.names if weight_name_filter(n)]
+        if self.experts is None:
+            index: dict[tuple[int, int], list[int]] = {}
+            for k, n in enumerate(self.names):
+                key = ExpertFilter.key(n)
+                if key is not None:
+                    index.setdefault(key, []).append(k)
+            self.experts = index
+        at = sorted(k for key in weight_name_filter.wanted for k in self.experts.get(key, ()))
+        return [self.names[k] for k in at]
+
+
+def planned(model, ckpt: Checkpoint) -> Planned:
+    """The `Planned` of `ckpt` for `model` (checkpoints are parsed per model: `open_checkpoint`)."""
+    found = ckpt.plans.get(id(model))
+    if found is None:
+        found = ckpt.plans[id(model)] = Planned(ckpt)
+    return found
+
+
 def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
          expand_units: bool) -> list[str]:
     """The checkpoint tensors to reload, checked against the model from the headers."""
     expected = expected_layout(model)
-    unknown = [n for n in ckpt.names if n not in expected]
-    if unknown:
-        raise CheckpointMismatchError(f"{_where(ckpt, unknown[0])}: unknown to the model, which has "
-                                      f"no parameter for it ({len(unknown)} unknown in all)")
+    done = planned(model, ckpt)
+    if not done.known:
+        unknown = [n for n in done.names if n not in expected]
+        if unknown:
+            raise CheckpointMismatchError(f"{_where(ckpt, unknown[0])}: unknown to the model, which "
+                                          f"has no parameter for it ({len(unknown)} unknown in all)")
+        done.known = True
     if weight_name_filter is None:
         missing = [n for n in expected if n not in ckpt.weight_map]
         if missing:
             raise MissingTensorError(f"{ckpt.path}: tensor {missing[0]!r} is missing "
                                      f"({len(missing)} missing in all); a full reload needs every tensor")
-        selected = ckpt.names
+        selected = list(done.names)
     else:
         try:
-            selected = [n for n in ckpt.names if weight_name_filter(n)]
+            selected = done.select(weight_name_filter)
         except Exception as e:
             raise ReloadError(f"{ckpt.path}: weight_name_filter raised {type(e).__name__}: {e}") from e
         if not selected:
             raise FilterMatchedNothingError(f"{ckpt.path}: weight_name_filter matched none of the "
-                                            f"{len(ckpt.names)} tensors of the checkpoint")
+                                            f"{len(done.names)} tensors of the checkpoint")
         if expand_units:
-            unit_of, _ = units(model)
+            unit_of, members, position = units(model)
             chosen = {unit_of[n] for n in selected}
-            selected = [n for n in expected if unit_of[n] in chosen]
+            selected = sorted((n for u in chosen for n in members[u]), key=position.__getitem__)
             absent = [n for n in selected if n not in ckpt.weight_map]
             if absent:
                 raise MissingTensorError(f"{ckpt.path}: tensor {absent[0]!r} is missing; it belongs "
@@ -120,6 +162,22 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
         info = ckpt.info(n)
         _check_layout(n, info.shape, info.dtype, expected, ckpt)
     return selected
+
+
+def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
+                quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
+    """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
+    engine. A full reload's plan depends only on the model and the parsed checkpoint: it
+    is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
+    the targets of tensors planned before."""
+    done = planned(model, ckpt)
+    if weight_name_filter is None and done.full is not None and done.targets.unchanged(model):
+        return done.full
+    names = plan(model, ckpt, weight_name_filter, expand_units)
+    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, done.targets)
+    if weight_name_filter is None:
+        done.full = (names, targets)
+    return names, targets
 
 
 def _check_layout(name: str, shape, dtype, expected, ckpt: Checkpoint) -> None:

@@ -15,7 +15,7 @@ Kinds of target:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from torch import nn
 from ..checkpoint.header import TensorInfo
 from ..layers import Fp8Linear, FusedMoE
 from ..processing import FixedFp8LinearMethod, FixedFp8MoEMethod
+from .filters import modules_by_name
 
 
 @dataclass
@@ -47,29 +48,87 @@ def _default_loaded(param) -> bool:
 STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "0") == "1"
 
 
-def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool) -> list[Target]:
+def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
+                 cache: TargetCache | None = None) -> list[Target]:
     """One `Target` per tensor that lands somewhere, in file order.
 
     Tensors of experts this rank does not hold land nowhere and are dropped. bf16 expert
     weights are quantized in the copy path only with `quantize_on_device` (a GPU with
     Triton) and when an expert's three pieces are adjacent in one file; otherwise they
-    take the loader, which stages them for post-processing.
+    take the loader, which stages them for post-processing. `cache` keeps what was
+    worked out for each tensor between calls (see `TargetCache`).
     """
-    params = dict(model.named_parameters())
-    modules = dict(model.named_modules())
+    cache = TargetCache() if cache is None else cache
+    checked: dict[str, dict] = {}
     out = []
     for info in sorted(infos, key=lambda i: (i.file, i.offset)):
-        pname, module_name, kw = model.resolve(info.name)
-        param, module = params[pname], modules[module_name]
-        target = _target(info, param, module, kw)
-        target.module_name = module_name
-        if target.kind in ("copy", "scalar") and not target.views:
-            continue
-        if target.kind == "quant" and not target.slots:
-            continue
-        out.append(target)
+        known = cache.module_targets(model, info.name, checked)
+        target = known.get(info.name, False)
+        if target is False:
+            target = known[info.name] = _landing(model, info)
+        if target is not None:  # quant targets are decided per call: a copy of the cached one
+            out.append(replace(target) if target.kind == "quant" else target)
     _quant_units_or_loader(out, quantize_on_device)
     return out
+
+
+class TargetCache:
+    """Where tensors land, kept between reloads. A module's targets are views of its
+    Parameters' memory at the slots its expert map gives: they are reused only while its
+    quant method and Parameter objects are the same, over the same memory (pointer,
+    shape, strides), with the same expert map (the modules themselves are fixed once the
+    model is built). A Parameter replaced or rebound, or experts moved by a rebalance,
+    and that module's targets are worked out again."""
+
+    def __init__(self):
+        self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
+        self.modules: dict[str, tuple[tuple, tuple, dict]] = {}  # name -> (*state, targets)
+
+    def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
+        """{name: Target or None} of the module of tensor `name`, its state checked once
+        per call (`checked`)."""
+        module_name = self.module_of.get(name)
+        if module_name is None:
+            module_name = self.module_of[name] = model.resolve(name)[1]
+        known = checked.get(module_name)
+        if known is None:
+            refs, values = _state(modules_by_name(model)[module_name])
+            cached = self.modules.get(module_name)
+            if cached is None or not _same(cached[:2], (refs, values)):
+                cached = self.modules[module_name] = (refs, values, {})
+            known = checked[module_name] = cached[2]
+        return known
+
+    def unchanged(self, model) -> bool:
+        """Whether every module planned so far is as it was."""
+        named = modules_by_name(model)
+        return all(_same(c[:2], _state(named[m])) for m, c in self.modules.items())
+
+
+def _state(module) -> tuple[tuple, tuple]:
+    """(objects compared by identity, values compared by equality) a module's targets
+    are worked out from."""
+    params = [(k, p) for k, p in module._parameters.items() if p is not None]
+    slots = getattr(module, "expert_slots", None)
+    refs = (module, getattr(module, "quant_method", None), *(p for _, p in params))
+    values = (None if slots is None else {e: tuple(s) for e, s in slots.items()},
+              tuple((k, p.data_ptr(), tuple(p.shape), p.stride()) for k, p in params))
+    return refs, values
+
+
+def _same(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
+    return len(a[0]) == len(b[0]) and all(x is y for x, y in zip(a[0], b[0])) and a[1] == b[1]
+
+
+def _landing(model, info: TensorInfo) -> Target | None:
+    pname, module_name, kw = model.resolve(info.name)
+    target = _target(info, model.get_parameter(pname), model.get_submodule(module_name), kw)
+    target.module_name = module_name
+    if target.kind in ("copy", "scalar") and not target.views:
+        return None
+    if target.kind == "quant" and not target.slots:
+        return None
+    return target
 
 
 def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool) -> None:

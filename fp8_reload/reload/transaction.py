@@ -44,10 +44,17 @@ from ..layers import FP8MoEModel
 from ..processing import get_mode, process_modules
 from ..processing.ops import on_triton
 from .backup import BACKUP_PLACES, capture_backup, roll_back
-from .filters import NameFilter, experts_by_layer
-from .plan import check_compatible, checkpoint_stamp, nothing_written, open_checkpoint, plan, stage
+from .filters import NameFilter, experts_by_layer, processing_order
+from .plan import (
+    check_compatible,
+    checkpoint_stamp,
+    nothing_written,
+    open_checkpoint,
+    plan,
+    plan_reload,
+    stage,
+)
 from .stream import commit, prepare
-from .targets import plan_targets
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -173,26 +180,21 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                                 "(weight_name_filter=None) can repair the model")
         stats: dict = {}
         streaming = ENGINE == "stream" and not scan_all
+        device = model_device(model) or torch.device("cpu")  # looked up once: a walk of the model
+        cuda = device.type == "cuda"
         with nothing_written(path):
             with timer.phase("plan"):
                 ckpt = open_checkpoint(model, path)
                 stamp = checkpoint_stamp(ckpt)
                 check_compatible(model, ckpt)
-                # a full reload's plan depends only on the model and the parsed checkpoint:
-                # kept with it (the files unchanged), as EPLB and RL reload it again
-                key = id(model) if streaming and weight_name_filter is None else None
-                if key is not None and key in ckpt.plans:
-                    names, targets = ckpt.plans[key]
+                if streaming:  # what is worked out once per checkpoint is kept with it
+                    names, targets = plan_reload(model, ckpt, weight_name_filter,
+                                                 cuda and on_triton_device(model), mode.expand_units)
                 else:
                     names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
-                    if streaming:
-                        targets = plan_targets(model, [ckpt.info(n) for n in names],
-                                               quantize_on_device=on_triton_device(model))
-                    if key is not None:
-                        ckpt.plans[key] = (names, targets)
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
-                    into = staging.arena(model, "staging") if on_cuda(model) else None
+                    into = staging.arena(model, "staging") if cuda else None
                     prepared = prepare(ckpt, targets, stats, into=into)
                     report.staged_bytes = prepared.staged_bytes
                 else:
@@ -201,8 +203,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             with timer.phase("backup"):
                 order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
                 saved = capture_backup(model, names, process_all, backup, order=order,
-                                       stream=side_stream(model_device(model), "backup")
-                                       if streaming and on_cuda(model) else None,
+                                       stream=side_stream(device, "backup") if streaming and cuda else None,
                                        start=not streaming)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
@@ -215,7 +216,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             try:
                 with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
                     progress.doing = "waiting for running forwards"
-                    synchronize(model)
+                    synchronize(device)
                 if streaming:  # its copies run beside the commit's (see capture_backup)
                     with timer.phase("backup"):
                         progress.doing = "backing up"
@@ -229,7 +230,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                             touched = commit(model, prepared, stats, wait_for=saved.event_for)
                         else:
                             touched = model.load_weights(progress.loading(staged))
-                    synchronize(model)
+                    synchronize(device)
                     if streaming and checkpoint_stamp(ckpt) != stamp:
                         raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
                                                      "read; the reload is rolled back")
@@ -237,12 +238,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     if process_all:
                         todo = list(model.quantized_modules())
                     else:
-                        todo = [(n, m) for n, m in model.quantized_modules() if n in touched]
+                        order = processing_order(model)
+                        todo = [(n, order[n][1])
+                                for n in sorted(touched & order.keys(), key=lambda n: order[n][0])]
                     with torch.no_grad():
                         for item in todo:
                             progress.doing = f"post-processing module {item[0]!r}"
                             report.modules_processed += process_modules([item])
-                    synchronize(model)
+                    synchronize(device)
             except BaseException as fault:
                 with timer.phase("restore"):
                     roll_back(model, saved, fault, ckpt, progress.doing)
