@@ -107,6 +107,7 @@ class Checkpoint:
         self.reads: dict[str, int] = {}  # per shard, reloads that read most of it
         self.plans: dict = {}  # by model: what planning its reloads works out once (reload/plan.py)
         self.scalars: dict[str, float] = {}  # 0-dim scales read once (reload/chunks.py)
+        self.advised: set[tuple[str, int, int]] = set()  # read-ahead asked for (reload/chunks.py)
 
     def _check_directory(self) -> None:
         try:

@@ -92,19 +92,34 @@ def make_chunks(targets: list[Target], chunk_bytes: int | None = None) -> list[C
     return chunks
 
 
+ADVICE_GAP = 1 << 20  # ranges closer than this are advised as one
+
+
 def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
     """Ask the kernel to start reading the targets' byte ranges into the page cache now,
-    so that a cold file is (partly) cached by the time the commit streams it."""
+    so that a cold file is (partly) cached by the time the commit streams it. Only the
+    ranges read (a filtered reload's few experts, not the span from its first to its
+    last byte), each once per parsed checkpoint: advising cached pages again still walks
+    them, milliseconds per GiB that a repeated reload would pay for nothing."""
     if not hasattr(os, "posix_fadvise"):
         return
-    ranges: dict[str, list[int]] = {}
-    for t in targets:
-        lo, hi = ranges.setdefault(t.info.file, [t.info.offset, t.info.offset])
-        ranges[t.info.file] = [min(lo, t.info.offset), max(hi, t.info.offset + t.info.nbytes)]
-    for fname, (lo, hi) in ranges.items():
+    ranges: dict[str, list[list[int]]] = {}
+    for t in sorted(targets, key=lambda t: (t.info.file, t.info.offset)):
+        runs = ranges.setdefault(t.info.file, [])
+        lo, hi = t.info.offset, t.info.offset + t.info.nbytes
+        if runs and lo - runs[-1][1] <= ADVICE_GAP:
+            runs[-1][1] = max(runs[-1][1], hi)
+        else:
+            runs.append([lo, hi])
+    for fname, runs in ranges.items():
+        todo = [(lo, hi) for lo, hi in runs if (fname, lo, hi) not in ckpt.advised]
+        if not todo:
+            continue
         try:
             with open_shard(ckpt.path / fname) as handle:
-                os.posix_fadvise(handle.fileno(), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+                for lo, hi in todo:
+                    os.posix_fadvise(handle.fileno(), lo, hi - lo, os.POSIX_FADV_WILLNEED)
+                    ckpt.advised.add((fname, lo, hi))
         except OSError:
             pass  # advice only: the reads themselves report real errors
 
