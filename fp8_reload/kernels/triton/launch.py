@@ -30,9 +30,16 @@ def _spec(a):
     return type(a), a
 
 
+# the current stream's handle without building a Stream object (what Triton's own
+# launcher asks torch for; ~0.3 µs against ~4 µs for torch.cuda.current_stream())
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _stream(args) -> int:
     for a in args:
         if isinstance(a, torch.Tensor) and a.is_cuda:
+            if _raw_stream is not None:
+                return _raw_stream(a.device.index)
             return torch.cuda.current_stream(a.device).cuda_stream
     return torch.cuda.current_stream().cuda_stream
 
