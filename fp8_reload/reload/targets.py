@@ -122,7 +122,11 @@ def _same(a: tuple[tuple, tuple], b: tuple[tuple, tuple]) -> bool:
 
 def _landing(model, info: TensorInfo) -> Target | None:
     pname, module_name, kw = model.resolve(info.name)
-    target = _target(info, model.get_parameter(pname), model.get_submodule(module_name), kw)
+    module = modules_by_name(model)[module_name]
+    attr = pname[len(module_name) + 1:] if pname.startswith(module_name + ".") else ""
+    # the module's own Parameter by name: get_parameter walks the path again, per tensor
+    param = module._parameters.get(attr) if attr and "." not in attr else None
+    target = _target(info, model.get_parameter(pname) if param is None else param, module, kw)
     target.module_name = module_name
     if target.kind in ("copy", "scalar") and not target.views:
         return None
