@@ -6,8 +6,6 @@ reload (fresh-load bytes, rollback bit for bit).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -143,27 +141,14 @@ def test_a_failure_mid_commit_of_a_filtered_reload_rolls_back(ckpts, monkeypatch
     assert fr.compare_states(before, fr.snapshot(model)) != []
 
 
-def test_a_file_changed_under_a_filtered_reload_rolls_it_back(ckpts, tmp_path, monkeypatch):
-    from fp8_reload.reload.chunks import Chunk
-
+def test_a_file_changed_under_a_filtered_reload_rolls_it_back(ckpts, tmp_path, rewrite_mid_stream):
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [0, 3], 2: [7]})
     fr.update_weights_from_disk(model, path, flt)  # index, targets, checked values cached
     fr.update_weights_from_disk(model, ckpts["fp8", 0], flt)
     before = fr.snapshot(model)
-    orig = Chunk.source
-    touched = []
-
-    def touch_then_source(self, buf, target):
-        if not touched:  # a writer rewrites a shard mid-reload (same bytes, new stamp)
-            shard = path / target.info.file
-            st = shard.stat()
-            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-            touched.append(shard)
-        return orig(self, buf, target)
-
-    monkeypatch.setattr(Chunk, "source", touch_then_source)
+    rewrite_mid_stream(path)
     with pytest.raises(fr.CorruptCheckpointError, match="changed while they were read"):
         fr.update_weights_from_disk(model, path, flt)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

@@ -8,8 +8,6 @@ engine, with every Parameter the same object.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -18,7 +16,7 @@ import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.layers import EXPERT_RE
-from fp8_reload.reload.chunks import Chunk, make_chunks
+from fp8_reload.reload.chunks import make_chunks
 from fp8_reload.reload.targets import plan_targets
 
 from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor, tokens
@@ -205,21 +203,12 @@ def test_values_are_checked_once_while_the_files_are_unchanged(ckpts, tmp_path, 
         fr.update_weights_from_disk(model, path)
 
 
-def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, monkeypatch):
+def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, monkeypatch,
+                                                              rewrite_mid_stream):
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    orig = Chunk.source
-    touched = []
-
-    def touch_then_source(self, buf, target):
-        if not touched:  # a writer rewrites a shard mid-reload (same bytes, new stamp)
-            shard = path / target.info.file
-            os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
-            touched.append(shard)
-        return orig(self, buf, target)
-
-    monkeypatch.setattr(Chunk, "source", touch_then_source)
+    rewrite_mid_stream(path)
     with pytest.raises(fr.CorruptCheckpointError, match="changed while they were read"):
         fr.update_weights_from_disk(model, path)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
