@@ -109,3 +109,65 @@ def test_a_full_plan_is_not_reused_after_a_filtered_reload_replanned_a_module(ck
     assert fr.compare_states(expected, fr.snapshot(model)) == []
     if change == "rebind":
         assert not old.view(torch.uint8).any()  # the detached memory was not written
+
+
+class _RecordingKernel:
+    """Stands in for a JITFunction: its parameters are the real kernel's; `fn[grid](...)`
+    'compiles' (records the arguments, as Triton would bake the constexprs in) and returns
+    a compiled kernel whose `run` records what it is launched with."""
+
+    def __init__(self, real):
+        self.fn = real.fn  # its signature tells the constexprs
+        self.compiled: list[tuple] = []
+        self.runs: list[tuple] = []
+
+    def __getitem__(self, grid):
+        def compile_and_run(*args):
+            self.compiled.append(args)
+            outer = self
+
+            class Compiled:
+                function = packed_metadata = None
+                baked = args
+
+                def run(self, *a):
+                    outer.runs.append((self.baked, a[10:]))
+
+            return Compiled()
+        return compile_and_run
+
+
+@pytest.mark.parametrize("what", ["constexpr", "device"])
+def test_a_compiled_kernel_is_reused_only_for_its_constexpr_values_and_device(monkeypatch, what):
+    """`launch` keys compiled kernels by what Triton specializes on. Constexprs are baked
+    into the compiled code, so their *values* are part of Triton's key; `_spec` keyed a
+    positional constexpr like any int (==1, %16, range): `_finalize_fp8_scales_kernel`
+    compiled with BLOCK_E=16 (a 16-expert layer) was then launched for a 64-expert layer
+    (BLOCK_E=64, same key), merging the input scales of its first 16 slots only: wrong
+    scales, silently. A kernel compiled on one device is loaded into that device's context
+    (Triton keeps one cache per device): launched for another GPU's tensors it fails.
+    GPU-only path (the interpreter bypasses the cache), shown here with the launch of a
+    recorded stand-in."""
+    pytest.importorskip("triton")
+    from fp8_reload.kernels.triton import launch as launch_mod
+    from fp8_reload.kernels.triton import requant
+
+    monkeypatch.setattr(launch_mod, "INTERPRET", False)
+    monkeypatch.setattr(launch_mod, "_stream", lambda args: 0)
+    monkeypatch.setattr(launch_mod, "_compiled", {})
+    kernel = _RecordingKernel(requant._finalize_fp8_scales_kernel)
+
+    def args(e_all, dev="cpu"):
+        scale = torch.empty(e_all, 2, device=dev)
+        a = torch.empty(e_all, device=dev)
+        idx = torch.zeros(1, dtype=torch.int64, device=dev)
+        return (scale, idx, 0, 1, a, a, a, a, e_all, True, True, 1, e_all)
+
+    launch_mod.launch(kernel, (1,), *args(16))
+    if what == "constexpr":
+        launch_mod.launch(kernel, (1,), *args(64))
+        assert [c[-1] for c in kernel.compiled] == [16, 64]  # BLOCK_E=64 compiled, not 16's code
+    else:
+        launch_mod.launch(kernel, (1,), *args(16, "meta"))  # another device, same layout
+        assert len(kernel.compiled) == 2 and kernel.compiled[1][0].device.type == "meta"
+    assert kernel.runs == []

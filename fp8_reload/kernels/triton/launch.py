@@ -3,24 +3,38 @@
 ``kernel[grid](...)`` costs ~15 µs of host time on the H200 host (binding, specialization
 key, cache lookup) against ~7 µs for a torch op: for the few-launch jobs of a one-expert
 reload that is most of the time. `launch` keys the compiled kernel by what Triton
-specializes a kernel on (dtypes and 16-byte alignment of tensors, integers equal to 1,
-divisible by 16 or wider than 32 bits, constexpr values) and calls its launcher
-directly. The first call of each key goes through Triton (compiling if needed); so does
-every call under the interpreter.
+specializes a kernel on (dtypes, device and 16-byte alignment of tensors, integers equal
+to 1, divisible by 16 or wider than 32 bits, the values of constexprs: baked into the
+compiled code) and calls its launcher directly. The first call of each key goes
+through Triton (compiling if needed); so does every call under the interpreter.
 """
 
 from __future__ import annotations
+
+import inspect
 
 import torch
 
 from .runtime import INTERPRET
 
 _compiled: dict = {}
+_constexprs: dict = {}  # kernel -> positions of its constexpr parameters
+
+
+def _constexpr_positions(fn) -> frozenset[int]:
+    found = _constexprs.get(fn)
+    if found is None:
+        at = getattr(fn, "constexprs", None)  # JITFunction's own list
+        if at is None:  # from the signature: the parameters annotated tl.constexpr
+            params = inspect.signature(getattr(fn, "fn", fn)).parameters.values()
+            at = [i for i, p in enumerate(params) if "constexpr" in str(p.annotation)]
+        found = _constexprs[fn] = frozenset(at)
+    return found
 
 
 def _spec(a):
-    if isinstance(a, torch.Tensor):
-        return a.dtype, a.data_ptr() % 16 == 0
+    if isinstance(a, torch.Tensor):  # a kernel is loaded into one device's context
+        return a.dtype, a.data_ptr() % 16 == 0, a.device
     if isinstance(a, bool):
         return bool, a
     if isinstance(a, int):
@@ -49,7 +63,8 @@ def launch(fn, grid: tuple, *args) -> None:
     if INTERPRET:
         fn[grid](*args)
         return
-    key = (fn, *map(_spec, args))
+    cx = _constexpr_positions(fn)
+    key = (fn, *((type(a), a) if i in cx else _spec(a) for i, a in enumerate(args)))
     kernel = _compiled.get(key)
     if kernel is None:
         _compiled[key] = fn[grid](*args)
