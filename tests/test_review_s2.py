@@ -12,7 +12,7 @@ import torch
 import fp8_reload as fr
 import fp8_reload.checkpoint.files as files_mod
 
-from .conftest import copy_checkpoint
+from .conftest import copy_checkpoint, mix_checkpoints
 
 
 def same_as_fresh(model, path) -> list[str]:
@@ -171,3 +171,24 @@ def test_a_compiled_kernel_is_reused_only_for_its_constexpr_values_and_device(mo
         launch_mod.launch(kernel, (1,), *args(16, "meta"))  # another device, same layout
         assert len(kernel.compiled) == 2 and kernel.compiled[1][0].device.type == "meta"
     assert kernel.runs == []
+
+
+def test_scales_of_a_settled_checkpoint_are_still_read_once(ckpts, tmp_path, monkeypatch):
+    """The other side of the fix above: from shards settled when parsed (any rewrite then
+    moves their stamp) a repeated reload reads no scale from disk."""
+    import fp8_reload.reload.chunks as chunks_mod
+
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 0)
+    model = fr.load_model(ckpts["fp8", 0])
+    flt = fr.generate_weight_name_filter({1: [0, 3], 2: [5]})
+    reads = []
+    real = chunks_mod.read_span
+    monkeypatch.setattr(chunks_mod, "read_span",
+                        lambda *a, **k: reads.append(k.get("what")) or real(*a, **k))
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+    first = [w for w in reads if w and w.startswith("scales")]
+    reads.clear()
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+    assert first and [w for w in reads if w and w.startswith("scales")] == []
+    mixed = mix_checkpoints(ckpts["fp8", 0], ckpts["fp8", 1], tmp_path / "mixed", flt)
+    assert same_as_fresh(model, mixed) == []
