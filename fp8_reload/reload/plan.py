@@ -98,7 +98,7 @@ class Planned:
         self.known = False  # every checkpoint name has a parameter in the model
         self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
         self.targets = TargetCache()
-        self.full: tuple | None = None  # (names, targets) of a full streaming reload
+        self.full: tuple | None = None  # (names, targets, targets.version) of a full streaming reload
 
     def select(self, weight_name_filter: NameFilter) -> list[str]:
         """The names the filter matches, in checkpoint order. An `ExpertFilter` is answered
@@ -171,12 +171,13 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
     the targets of tensors planned before."""
     done = planned(model, ckpt)
-    if weight_name_filter is None and done.full is not None and done.targets.unchanged(model):
-        return done.full
+    if (weight_name_filter is None and done.full is not None
+            and done.full[2] == done.targets.version and done.targets.unchanged(model)):
+        return done.full[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, done.targets)
-    if weight_name_filter is None:
-        done.full = (names, targets)
+    if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
+        done.full = (names, targets, done.targets.version)
     return names, targets
 
 

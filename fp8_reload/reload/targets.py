@@ -83,6 +83,9 @@ class TargetCache:
     def __init__(self):
         self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
         self.modules: dict[str, tuple[tuple, tuple, dict]] = {}  # name -> (*state, targets)
+        # bumped whenever a module's targets are worked out anew: a plan kept whole (a full
+        # reload's) holds targets of the state before, even once `unchanged` holds again
+        self.version = 0
 
     def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
         """{name: Target or None} of the module of tensor `name`, its state checked once
@@ -96,6 +99,7 @@ class TargetCache:
             cached = self.modules.get(module_name)
             if cached is None or not _same(cached[:2], (refs, values)):
                 cached = self.modules[module_name] = (refs, values, {})
+                self.version += 1
             known = checked[module_name] = cached[2]
         return known
 
