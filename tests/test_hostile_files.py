@@ -39,6 +39,7 @@ from fp8_reload.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 from . import bad_checkpoints as bad
 from .conftest import copy_checkpoint, mix_checkpoints
+from .threads import start as start_thread
 
 WAIT = 10.0
 
@@ -50,20 +51,11 @@ def unchanged(model, before) -> list[str]:
 def in_thread(fn, *args, timeout: float = WAIT):
     """Run fn(*args) in a daemon thread: ("ok", value), ("error", exception) or
     ("hung", None) if it did not return within `timeout`."""
-    out = {}
-
-    def run():
-        try:
-            out["ok"] = fn(*args)
-        except BaseException as e:  # surfaced to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, out = start_thread(fn, *args)
     t.join(timeout)
     if t.is_alive():
         return "hung", None
-    return ("error", out["error"]) if "error" in out else ("ok", out["ok"])
+    return ("error", out["error"]) if "error" in out else ("ok", out["value"])
 
 
 @pytest.fixture
