@@ -202,3 +202,25 @@ def test_targets_follow_a_replaced_parameter(ckpts, tmp_path):
         setattr(moe, name, new)
     fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
     assert fr.compare_states(_expected(ckpts, "fp8", {1: [0, 3]}, tmp_path), fr.snapshot(model)) == []
+
+
+def test_targets_are_planned_once_per_model_across_checkpoints(ckpts, tiny_cfg, tmp_path):
+    """Where a tensor lands depends on the model, not on the files: a reload from new
+    files (RL weight sync writes new ones every step) reuses the views planned before,
+    with the new files' offsets, and still equals a fresh load of the new files."""
+    other = fr.write_checkpoint(tmp_path / "other", tiny_cfg, seed=1, min_shards=7)
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    planned = plan_reload(model, open_checkpoint(model, ckpts["fp8", 0]), None, False)[1]
+    first = {t.info.name: t for t in planned}
+    ckpt = open_checkpoint(model, other)
+    where = lambda info: (info.file, info.offset)  # noqa: E731
+    assert sum(where(ckpt.info(n)) != where(t.info) for n, t in first.items()) > len(first) // 2
+    again = plan_reload(model, ckpt, None, False)[1]
+    assert {t.info.name for t in again} == set(first)
+    for t in again:
+        assert t.info is ckpt.info(t.info.name)  # this parse's offsets and files
+        assert [v.data_ptr() for v in t.views] == [v.data_ptr() for v in first[t.info.name].views]
+        assert all(a is b for a, b in zip(t.views, first[t.info.name].views))  # views reused
+    fr.update_weights_from_disk(model, other)
+    assert fr.compare_states(fr.snapshot(fr.load_model(other)), fr.snapshot(model)) == []

@@ -97,7 +97,6 @@ class Planned:
         self.names = ckpt.names
         self.known = False  # every checkpoint name has a parameter in the model
         self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
-        self.targets = TargetCache()
         self.full: tuple | None = None  # (names, targets, targets.version) of a full streaming reload
 
     def select(self, weight_name_filter: NameFilter) -> list[str]:
@@ -115,6 +114,12 @@ class Planned:
             self.experts = index
         at = sorted(k for key in weight_name_filter.wanted for k in self.experts.get(key, ()))
         return [self.names[k] for k in at]
+
+
+def target_cache(model) -> TargetCache:
+    """The model's `TargetCache`: where tensors land depends on the model, not on the
+    parse, so it outlives checkpoints (RL weight sync reloads new files every step)."""
+    return model.__dict__.setdefault("_target_cache", TargetCache())
 
 
 def planned(model, ckpt: Checkpoint) -> Planned:
@@ -170,14 +175,14 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     engine. A full reload's plan depends only on the model and the parsed checkpoint: it
     is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
     the targets of tensors planned before."""
-    done = planned(model, ckpt)
+    done, cache = planned(model, ckpt), target_cache(model)
     if (weight_name_filter is None and done.full is not None
-            and done.full[2] == done.targets.version and done.targets.unchanged(model)):
+            and done.full[2] == cache.version and cache.unchanged(model)):
         return done.full[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
-    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, done.targets)
+    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
-        done.full = (names, targets, done.targets.version)
+        done.full = (names, targets, cache.version)
     return names, targets
 
 

@@ -66,6 +66,8 @@ def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
         target = known.get(info.name, False)
         if target is False:
             target = known[info.name] = _landing(model, info)
+        elif target is not None and target.info is not info:  # planned from another parse
+            target = known[info.name] = replace(target, info=info)
         if target is not None:  # quant targets are decided per call: a copy of the cached one
             out.append(replace(target) if target.kind == "quant" else target)
     _quant_units_or_loader(out, quantize_on_device)
@@ -73,7 +75,9 @@ def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
 
 
 class TargetCache:
-    """Where tensors land, kept between reloads. A module's targets are views of its
+    """Where tensors land, kept with the model between reloads of any checkpoint (a
+    target planned from another parse is reused with this parse's `TensorInfo`: the
+    layout check has made shape and dtype equal). A module's targets are views of its
     Parameters' memory at the slots its expert map gives: they are reused only while its
     quant method and Parameter objects are the same, over the same memory (pointer,
     shape, strides), with the same expert map (the modules themselves are fixed once the
