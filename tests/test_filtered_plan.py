@@ -224,3 +224,22 @@ def test_targets_are_planned_once_per_model_across_checkpoints(ckpts, tiny_cfg, 
         assert all(a is b for a, b in zip(t.views, first[t.info.name].views))  # views reused
     fr.update_weights_from_disk(model, other)
     assert fr.compare_states(fr.snapshot(fr.load_model(other)), fr.snapshot(model)) == []
+
+
+def test_a_fresh_load_leaves_its_parse_and_plan_to_the_first_reload(ckpts, monkeypatch):
+    """The first reload after `load_model` from unchanged files neither parses the files
+    again nor works out where tensors land: the load did both."""
+    import fp8_reload.reload.plan as plan_module
+    import fp8_reload.reload.targets as targets_module
+
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(targets_module, "_landing", refuse)
+    monkeypatch.setattr(plan_module, "Checkpoint", refuse)
+    report = fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    assert report.tensors_loaded == len(fr.Checkpoint(ckpts["fp8", 0]).names)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

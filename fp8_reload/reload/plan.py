@@ -52,9 +52,14 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
     if cached is not None and cached[1].unchanged():
         cache[key] = cached  # most recent last
         return cached[1]
-    ckpt = Checkpoint(path)
+    return remember_checkpoint(model, Checkpoint(path), keep)
+
+
+def remember_checkpoint(model, ckpt: Checkpoint, keep: int = 2) -> Checkpoint:
+    """Keep `ckpt` for `open_checkpoint` (a fresh load keeps the parse it loaded from)."""
+    cache = model.__dict__.setdefault("_checkpoint_cache", {})
     # [0] records what the parse was made from: config.json's and the index's bytes and stamps.
-    cache[key] = (dict(ckpt.sources), ckpt)
+    cache[_key(ckpt.path)] = (dict(ckpt.sources), ckpt)
     while len(cache) > keep:
         cache.pop(next(iter(cache)))
     return ckpt
