@@ -102,7 +102,6 @@ class Planned:
         self.names = ckpt.names
         self.known = False  # every checkpoint name has a parameter in the model
         self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
-        self.full: tuple | None = None  # (names, targets, targets.version) of a full streaming reload
 
     def select(self, weight_name_filter: NameFilter) -> list[str]:
         """The names the filter matches, in checkpoint order. An `ExpertFilter` is answered
@@ -123,8 +122,9 @@ class Planned:
 
 def target_cache(model) -> TargetCache:
     """The model's `TargetCache`: where tensors land depends on the model, not on the
-    parse, so it outlives checkpoints (RL weight sync reloads new files every step)."""
-    return model.__dict__.setdefault("_target_cache", TargetCache())
+    parse, so it outlives checkpoints (RL weight sync reloads new files every step). Held
+    with the model's staging memory: `release_staging` gives back the views it holds."""
+    return staging.holder(model, "targets", TargetCache)
 
 
 def planned(model, ckpt: Checkpoint) -> Planned:
@@ -181,13 +181,13 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
     the targets of tensors planned before."""
     done, cache = planned(model, ckpt), target_cache(model)
-    if (weight_name_filter is None and done.full is not None
-            and done.full[2] == cache.version and cache.unchanged(model)):
-        return done.full[:2]
+    kept = cache.full.get(done) if weight_name_filter is None else None
+    if kept is not None and kept[2] == cache.version and cache.unchanged(model):
+        return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
-        done.full = (names, targets, cache.version)
+        cache.full[done] = (names, targets, cache.version)
     return names, targets
 
 

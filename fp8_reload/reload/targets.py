@@ -15,6 +15,7 @@ Kinds of target:
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -82,7 +83,12 @@ class TargetCache:
     quant method and Parameter objects are the same, over the same memory (pointer,
     shape, strides), with the same expert map (the modules themselves are fixed once the
     model is built). A Parameter replaced or rebound, or experts moved by a rebalance,
-    and that module's targets are worked out again."""
+    and that module's targets are worked out again.
+
+    It also keeps the full-reload plan of each parse (`full`, by its `Planned`: gone with
+    the parse). Every target holds views of Parameter memory: `release` drops them all
+    (`fr.release_staging`), so memory a Parameter no longer uses (rebound `.data`, as
+    `model.to(other_device)` does) is given back."""
 
     def __init__(self):
         self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
@@ -90,6 +96,15 @@ class TargetCache:
         # bumped whenever a module's targets are worked out anew: a plan kept whole (a full
         # reload's) holds targets of the state before, even once `unchanged` holds again
         self.version = 0
+        # Planned -> (names, targets, version) of a full streaming reload (reload/plan.py)
+        self.full: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def release(self) -> None:
+        """Forget every target and kept plan (views of Parameter memory); the next
+        reload works them out again."""
+        self.modules.clear()
+        self.full.clear()
+        self.version += 1
 
     def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
         """{name: Target or None} of the module of tensor `name`, its state checked once
