@@ -105,9 +105,9 @@ def open_regular(path) -> io.FileIO:
     """
     require_regular(stat_path(path), path)
     try:
-        # the opener hands the descriptor to the FileIO inside one C call: a Ctrl-C
-        # can land before or after it, never between an open and its owner (where
-        # a hand-written close would close it twice)
+        # the FileIO owns the descriptor from the opener's return on, so no handler
+        # here closes it: a Ctrl-C landing in between (inside the lambda) leaks one
+        # descriptor at worst, never closes one twice
         f = io.FileIO(path, "rb", opener=lambda p, _: os.open(p, _OPEN_FLAGS))
     except (OSError, ValueError) as e:
         raise os_error(e, path) from None

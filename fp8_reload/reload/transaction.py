@@ -301,14 +301,14 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
         with timer.phase("process"), torch.no_grad():
             report.modules_processed = process_modules(list(model.quantized_modules()))
         synchronize(model)
+        if ENGINE == "stream" and not mode.scan_all:
+            # the first reload finds the parse and where every tensor lands (views of the
+            # Parameters: a property of the model) already worked out
+            with timer.phase("plan"):
+                remember_checkpoint(model, ckpt)
+                plan_reload(model, ckpt, None, on_triton_device(model), mode.expand_units)
     except Exception as e:
         raise ReloadError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
-    if ENGINE == "stream" and not mode.scan_all:
-        # the first reload finds the parse and where every tensor lands (views of the
-        # Parameters: a property of the model) already worked out
-        with timer.phase("plan"):
-            remember_checkpoint(model, ckpt)
-            plan_reload(model, ckpt, None, on_triton_device(model), mode.expand_units)
     report.tensors_loaded = len(staged)
     report.bytes_read = stats["bytes_read"]
     report.files_opened = stats["files_opened"]
