@@ -105,9 +105,9 @@ def open_regular(path) -> io.FileIO:
     """
     require_regular(stat_path(path), path)
     try:
-        # the FileIO owns the descriptor from the opener's return on, so no handler
-        # here closes it: a Ctrl-C landing in between (inside the lambda) leaks one
-        # descriptor at worst, never closes one twice
+        # the FileIO owns the descriptor as soon as the opener returns it, and only the
+        # FileIO closes it: a Ctrl-C inside the lambda leaks one descriptor at worst,
+        # never closes one twice
         f = io.FileIO(path, "rb", opener=lambda p, _: os.open(p, _OPEN_FLAGS))
     except (OSError, ValueError) as e:
         raise os_error(e, path) from None
