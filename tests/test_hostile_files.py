@@ -417,6 +417,9 @@ def test_a_rewrite_the_stamps_cannot_see_is_still_noticed(ckpts, two_indexes, mo
     path, _, b = two_indexes
     tick = time.time_ns()  # every file's times frozen at one fresh tick
     monkeypatch.setattr(files_mod, "stamp", lambda st: (st.st_dev, st.st_ino, st.st_size, tick, tick))
+    # and fresh however long the test takes: a tick that aged past SETTLED_NS (a slow
+    # load on a busy machine) would be taken for a settled file, whose stamp must move
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 10**18)
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [2]})
     fr.update_weights_from_disk(model, path, flt)
