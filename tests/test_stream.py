@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import fp8_reload as fr
+import fp8_reload.checkpoint.files as files_mod
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
@@ -190,6 +191,8 @@ def test_values_are_checked_once_while_the_files_are_unchanged(ckpts, tmp_path, 
     import fp8_reload.reload.stream as stream_mod
 
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    # the files at rest (settled when parsed): only then are checked values kept
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 0)
     model = fr.load_model(ckpts["fp8", 0])
     calls = []
     orig = stream_mod.has_bad_values
