@@ -83,4 +83,5 @@ def test_quantizing_a_dense_gate_up_on_load_needs_no_float32_copy_of_it():
     staged = {k: _values((w, hidden), torch.bfloat16, k).pin_memory() for k, w in enumerate(widths)}
     bf16_bytes = sum(widths) * hidden * 2
     peak = _processing_peak(layer, staged)
-    assert peak <= bf16_bytes + 6 * quant.BLOCK_ELEMENTS, (peak / 2**20, bf16_bytes / 2**20)
+    # one block: 4 bytes of float32 and 1 of FP8 per element, plus allocator rounding
+    assert peak <= bf16_bytes + 8 * quant.BLOCK_ELEMENTS, (peak / 2**20, bf16_bytes / 2**20)
