@@ -366,16 +366,8 @@ def test_ctrl_c_during_restore_is_deferred_until_the_model_is_whole(ckpts, monke
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     Fault(monkeypatch, *WRITE_POINT[engine], 20, DEVICE_FAULT, model, before)
-    orig = backup_mod.Backup.restore
     progress = []
-
-    def restore_with_sigint(self):
-        os.kill(os.getpid(), signal.SIGINT)  # delivered at the next bytecode boundary
-        time.sleep(0.01)
-        orig(self)
-        progress.append("restored")
-
-    monkeypatch.setattr(backup_mod.Backup, "restore", restore_with_sigint)
+    _restore_with_sigint(monkeypatch, progress)  # defined with the handler tests below
     with pytest.raises(KeyboardInterrupt):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert progress == ["restored"]
