@@ -107,7 +107,8 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
     # kept only from shards settled when parsed: a fresh one rewritten in place within
     # its timestamp tick (same size and header) keeps its stamp and this parse, and its
     # new values must be checked (as its scales are read again, reload/chunks.py)
-    prep.ckpt.checked.update(t.info.name for t in prep.targets if prep.ckpt.settled(t.info.file))
+    if prep.check:  # (otherwise every target is in `checked` already)
+        prep.ckpt.checked.update(t.info.name for t in prep.targets if prep.ckpt.settled(t.info.file))
     return mark_loaded(prep.targets)
 
 
