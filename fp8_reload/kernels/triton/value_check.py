@@ -13,8 +13,9 @@ tests raw bits, never converting a value:
 
 The work is cut into programs of `span` elements, never across tensors; `owner` maps
 each program to its tensor, so a 1-element scale and a 100 MB weight share one launch
-without empty programs. Whole blocks load unmasked (vectorized on a GPU when every
-tensor is 16-byte aligned); only a tensor's last block is masked.
+without empty programs. Whole blocks load unmasked, as 16-byte vectors on a GPU where
+the tensor starts 16-byte aligned (a flag per tensor); only a tensor's last block is
+masked.
 """
 
 from __future__ import annotations
