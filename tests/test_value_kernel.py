@@ -9,7 +9,8 @@ runs compiled on CUDA copies of the same tensors.
   subnormal planted at random places, under weight and scale names;
 * empty tensors, tensors of many blocks, a program spanning several blocks, many
   tensors of different sizes, tensors not 16-byte aligned;
-* `ValueCheck` with the kernel: the same first invalid tensor and the same message.
+* `ValueCheck` with the kernel: the same first invalid tensor and the same message;
+* the kernel compiles for sm90 (offline, Triton's ptxas) with 16-byte vector loads.
 """
 
 from __future__ import annotations
@@ -156,3 +157,33 @@ def test_value_check_with_the_kernel_finds_what_torch_finds(items, copy, batch):
             check.add(n, t)
         found.append(check.first_invalid())
     assert found[0] == found[1]
+
+
+def test_the_kernel_compiles_for_sm90_with_vector_loads():
+    """Compiled offline (no GPU needed: Triton's own ptxas) for the H200: whole blocks of
+    aligned tensors load as 16-byte vectors. Skipped where this Triton cannot compile."""
+    import os
+    import re
+    import subprocess
+    import sys
+
+    code = (
+        "import triton\n"
+        "from triton.backends.compiler import GPUTarget\n"
+        "from triton.compiler import ASTSource\n"
+        "from fp8_reload.kernels.triton import value_check as vc\n"
+        "src = ASTSource(fn=vc._value_check_kernel, signature={'table_ptr': '*i64', 'n': 'i32',\n"
+        "                'span': 'i32', 'BLOCK': 'constexpr'}, constexprs={'BLOCK': vc.BLOCK},\n"
+        "                attrs={(0,): [['tt.divisibility', 16]]})\n"
+        "print(triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['ptx'])\n")
+    # a process of its own: triton imported before the kernels, so not in interpreter mode
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
+                          timeout=300)
+    if done.returncode != 0:
+        if "CompilationError" in done.stderr:
+            pytest.fail(done.stderr[-3000:])
+        pytest.skip(f"cannot compile for sm90 here: {done.stderr.strip().splitlines()[-1:]}")
+    loads = set(re.findall(r"ld\.global[\w.]*", done.stdout))
+    assert "ld.global.v4.b32" in loads, loads
