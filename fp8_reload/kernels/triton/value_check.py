@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import torch
 
-from .launch import launch
 from .runtime import check_device, tl, triton
 
 # dtype -> (bytes per element, exponent bits in the integer view of that width)
@@ -137,7 +136,7 @@ def value_flags_(tensors: list[torch.Tensor], positive: list[bool]) -> torch.Ten
     if dev.type == "cuda":  # one copy from pinned memory, which torch keeps until it ran
         table = table.pin_memory().to(dev, non_blocking=True)
     if owner.numel():
-        launch(_value_check_kernel, (owner.numel(),), table, n, span, BLOCK)
+        _value_check_kernel[(owner.numel(),)](table, n, span, BLOCK=BLOCK)
     return table[5 * n:6 * n]
 
 
