@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The asv suite on the H200: the regression set of a v2-lite slice (38 asv processes), the
-# report, the headline ratios against their targets.
+# The asv suite on the H200: every figure of the report on a v2-lite slice (benchmarks/grouped.py:
+# 2 measuring processes + 44 light lookups), the report, the headline ratios against their targets.
 #
 #   bash gpu/asv_suite.sh                 # from the repo root; ~5 minutes with warm JIT caches
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
@@ -65,12 +65,24 @@ info = ensure_machine(sys.argv[1], torch=torch.__version__, **gpu)
 print("asv machine:", info)
 EOF
 
+# The checkpoints (v2-lite:4 fp8 + bf16, ~40 s on a fresh host) are written while the
+# JIT caches compile; asv's setup_cache then finds them in FP8_RELOAD_BENCH_DIR.
+$PY -c "
+import time; t = time.perf_counter()
+from pathlib import Path
+from benchmarks.common import KINDS, write_checkpoints
+write_checkpoints(Path('$FP8_RELOAD_BENCH_DIR'), kinds=list(dict.fromkeys(KINDS + ['fp8'])))
+print(f'written or reused in {time.perf_counter() - t:.1f}s')" > "$OUT/checkpoints.log" 2>&1 &
+CKPT_PID=$!
+
 echo
 echo "== JIT caches (DeepGEMM / Triton kernels of the token counts the suite runs, compiled in parallel once)"
 if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ]; then
   $PY -m fp8_reload bench-kernels --jit-only --jit-procs 12 --no-gemm \
     --tokens "${FP8_RELOAD_PREWARM_TOKENS:-128,512,4096}" --out "$OUT/jit" 2>&1 | tail -3
 fi
+
+wait "$CKPT_PID" 2>/dev/null; echo "== checkpoints: $(tail -1 "$OUT/checkpoints.log")"
 
 if [ "${PHASES:-0}" = 1 ]; then
 echo
@@ -105,28 +117,17 @@ EOF
 fi
 
 echo
-echo "== asv run (spawn, 3 samples, one round)"
-F="'[^']*'"  # any preset
-BENCH=(
-  -b "FilteredReload\.time_reload\($F, 'fp8', '(1/layer|10%|100%)', 'fixed'\)"
-  -b "FilteredReload\.time_reload\($F, 'fp8', '(1/layer|100%)', 'upstream-style'\)"
-  -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
-  -b "FullReload\.time_reload"
-  -b "ValidateStaged\.time_validate"
-  -b "RawReadCopy\.time_read_copy\($F, 'fp8', '(1/layer|10%|100%|full)', 'preadv'\)"
-  -b "RawReadCopy\.time_read_copy\($F, $F, 'full', 'safetensors'\)"
-  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full', 'preadv'\)"
-  -b "ReloadDeviceMemory\.track_peak_bytes\($F, $F, '(1/layer|full)'\)"
-  -b "DeviceMemoryBound\.track_bound_bytes"
-  -b "ProcessMoELayer\.time_process"
-  -b "MoEForward\.time_forward\($F, '(triton|deep_gemm|deep_gemm_masked)', (128|4096)\)"
-  -b "MoEForward\.time_forward\($F, 'torch', 4096\)"
-  -b "ForwardAccuracy\.track_calc_diff"
-  -b "DeepGemmScaleMode\.time_forward\($F, $F, 128\)"
-)
+echo "== asv run (spawn; benchmarks.grouped: 2 measuring processes + one lookup per figure)"
+# Each figure of the report is one case of benchmarks/grouped.py: the two groups'
+# setup_cache processes measure them (3 samples each, the best kept), the lookup
+# processes (no torch) hand them to asv. The selection is exactly those cases.
+mapfile -t CASES < <($PY -m benchmarks.grouped)
+BENCH=()
+for c in "${CASES[@]}"; do BENCH+=(-b "$c"); done
+echo "${#CASES[@]} figures"
 t_asv=$(date +%s)
 $PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \
-  --record-samples -a repeat=3 -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
+  --record-samples -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
   | grep -v "^\s*$" | grep -v "^\s*For parameters\|asv: skipped" | tail -150
 echo "asv exit status: ${PIPESTATUS[0]} (2: a benchmark failed); asv took $(( $(date +%s) - t_asv ))s"
 
