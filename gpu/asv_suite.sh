@@ -2,16 +2,18 @@
 # The asv suite on the H200: every figure of the report on a v2-lite slice (benchmarks/grouped.py:
 # 2 measuring processes + 44 light lookups), the report, the headline ratios against their targets.
 #
-#   bash gpu/asv_suite.sh                 # from the repo root; ~5 minutes with warm JIT caches
+#   bash gpu/asv_suite.sh                 # from the repo root; ~3-4 minutes (estimate) with warm JIT caches
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
 #
-# Time: each asv process costs ~4-8 s on the H200 (spawn, torch + CUDA start, the model
-# slice, 3 samples; from the per-benchmark durations of the committed h200 results), so
-# the selection below is what keeps the run short: every figure of the headline and the
-# plots, the forward at the smallest and largest token counts. Estimate: ~4.2 min of asv +
-# the JIT prewarm (~20 s from a warm cache; a cold DeepGEMM cache adds 2-3 min once).
+# Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
+# H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection
+# took 435 s of asv (45 processes; results/h200/asv-suite/). benchmarks/grouped.py measures
+# the same 44 figures in 2 processes (one per group: reload + post-processing, forward;
+# each checkpoint's model loaded once) and hands them to asv through 44 lookup processes
+# that import no torch. Estimate (not yet measured): asv ~95-150 s, the whole script
+# ~3-4 min with warm JIT caches (a cold DeepGEMM cache adds 2-3 min once).
 # Results: $OUT/asv/<machine>/*.json (+ benchmarks.json) -> commit them as results/asv/,
 #          $OUT/report/ (headline.md/csv, forward.csv, PNG plots), $OUT/*.log.
 set -uo pipefail
