@@ -90,9 +90,9 @@ def side_stream(device, role: str) -> torch.cuda.Stream:
 
 
 @functools.cache
-def _cuda_memcpy_async():
-    """``cudaMemcpyAsync`` of the CUDA runtime torch loaded (found in /proc/self/maps), or
-    None (another OS, a static runtime): then copies go through torch."""
+def _cudart():
+    """The CUDA runtime torch loaded (found in /proc/self/maps) with ``cudaMemcpyAsync``
+    typed, or None (another OS, a static runtime): then copies go through torch."""
     try:
         with open("/proc/self/maps") as maps:
             paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
@@ -100,12 +100,13 @@ def _cuda_memcpy_async():
         return None
     for path in paths:
         try:
-            fn = ctypes.CDLL(path).cudaMemcpyAsync
+            lib = ctypes.CDLL(path)
+            fn = lib.cudaMemcpyAsync
         except (OSError, AttributeError):
             continue
         fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
         fn.restype = ctypes.c_int
-        return fn
+        return lib
     return None
 
 
@@ -118,7 +119,8 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) 
     until the copy has run. Contiguous pairs of one dtype and shape go straight to the runtime: a
     torch copy costs ~30 µs of host time, which for the ~700 tensors of a v2-lite slice is
     most of a reload's time on the host."""
-    fn = _cuda_memcpy_async() if torch.cuda.is_available() else None
+    lib = _cudart() if torch.cuda.is_available() else None
+    fn = None if lib is None else lib.cudaMemcpyAsync
     one_device = dst.device == src.device if dst.is_cuda and src.is_cuda else dst.is_cuda or src.is_cuda
     if (fn is None or not one_device or src.dtype != dst.dtype or src.shape != dst.shape
             or not dst.is_contiguous() or not src.is_contiguous()):
@@ -128,4 +130,7 @@ def copy_async(dst: torch.Tensor, src: torch.Tensor, stream: torch.cuda.Stream) 
     nbytes = dst.numel() * dst.element_size()
     err = fn(dst.data_ptr(), src.data_ptr(), nbytes, _DEFAULT, stream.cuda_stream)
     if err:
+        # read (and so clear) the runtime's last error: left set, torch would raise it at its
+        # next launch check, e.g. inside the rollback this error is about to start
+        lib.cudaGetLastError()
         raise RuntimeError(f"cudaMemcpyAsync of {nbytes} bytes failed (CUDA error {err})")

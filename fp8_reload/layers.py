@@ -342,8 +342,16 @@ class FP8MoEModel(nn.Module):
     def resolve(self, name: str) -> tuple[str, str, dict]:
         """Checkpoint tensor name -> (parameter name, module name, loader kwargs).
 
-        Raises KeyError for a name the model has no parameter for.
+        Raises KeyError for a name the model has no parameter for. Pure in `name`:
+        kept per model (a reload resolves every name it plans, again for each checkpoint).
         """
+        known = self.__dict__.setdefault("_resolved", {})
+        hit = known.get(name)
+        if hit is None:
+            hit = known[name] = self._resolve(name)
+        return hit[0], hit[1], dict(hit[2])
+
+    def _resolve(self, name: str) -> tuple[str, str, dict]:
         m = EXPERT_RE.match(name)
         if m:
             prefix, expert, proj, suffix = m.groups()

@@ -11,6 +11,10 @@ nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_stream.py tests/test_requant.py \
   "tests/test_reload.py" "tests/test_reliability.py" -k "cuda or CUDA or stream or requant" \
   > "$OUT/pytest_cuda.log" 2>&1; tail -25 "$OUT/pytest_cuda.log"
+# planning across parses, blocked post-processing (its device-peak bound runs only here)
+python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py tests/test_filtered_plan.py \
+  tests/test_review_s3.py > "$OUT/pytest_plan_blocks.log" 2>&1; tail -5 "$OUT/pytest_plan_blocks.log"
+python3 gpu/peak_check.py 2>&1 | tee "$OUT/peak_check.txt"
 [ -n "${PROBE:-}" ] && python3 gpu/kernels_probe.py --out "$OUT/kernels_probe.json" 2>&1 | tee "$OUT/kernels_probe.log"
 timeout ${IO_TIMEOUT:-420} python3 gpu/reload_io.py --layers 4 ${WHOLE:+--whole} --out "$OUT/reload_io" 2>&1 \
   | tee "$OUT/reload_io.log"

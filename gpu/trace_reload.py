@@ -72,21 +72,20 @@ def summarize(prof, label: str, wall_ms: float, lines: list[str]) -> None:
                     lo, hi = i * width, (i + 1) * width
                     busy[i] += max(0, min(b, hi) - max(a, lo))
         lines.append(f"  stream {stream:>3}: " + "".join(str(min(9, int(10 * x / width))) for x in busy))
-    api = collections.defaultdict(lambda: [0, 0.0])
-    for e in host:
-        if e.name.startswith("cuda") or e.name.startswith("cu"):
-            api[e.name][0] += 1
-            api[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
-    top = sorted(api.items(), key=lambda kv: -kv[1][1])[:8]
-    lines.append("host CUDA API: " + "; ".join(f"{k} x{n} {ms:.2f} ms" for k, (n, ms) in top))
-    ops = collections.defaultdict(lambda: [0, 0.0])
-    for e in host:
-        if e.name.startswith("aten::") or e.name.startswith("fp8_reload"):
-            ops[e.name][0] += 1
-            ops[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
-    top = sorted(ops.items(), key=lambda kv: -kv[1][1])[:10]
-    lines.append("host ops/ranges (inclusive): " + "; ".join(f"{k} x{n} {ms:.2f} ms" for k, (n, ms) in top))
+    lines.append("host CUDA API: " + _top(host, ("cu",), 8))
+    lines.append("host ops/ranges (inclusive): " + _top(host, ("aten::", "fp8_reload"), 10))
     lines.append("")
+
+
+def _top(events, prefixes: tuple[str, ...], n: int) -> str:
+    """The `n` event names (starting with one of `prefixes`) of most summed time."""
+    total = collections.defaultdict(lambda: [0, 0.0])
+    for e in events:
+        if e.name.startswith(prefixes):
+            total[e.name][0] += 1
+            total[e.name][1] += (e.time_range.end - e.time_range.start) / 1e3
+    top = sorted(total.items(), key=lambda kv: -kv[1][1])[:n]
+    return "; ".join(f"{k} x{c} {ms:.2f} ms" for k, (c, ms) in top)
 
 
 def traced(fn, label: str, out: Path, lines: list[str], warm: int = 2) -> None:

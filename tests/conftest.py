@@ -113,3 +113,28 @@ def fail_if_hangs(seconds: float):
             yield
     except Hang as e:
         pytest.fail(f"hung: {e}")
+
+
+@pytest.fixture
+def rewrite_mid_stream(monkeypatch):
+    """``arm(path)``: the first time the streaming reload takes a tensor out of a chunk, a
+    writer gives that tensor's shard under `path` a new stamp (same bytes): a file changed
+    while it was read. ``monkeypatch.undo()`` disarms it."""
+    from fp8_reload.reload.chunks import Chunk
+
+    orig = Chunk.source
+
+    def arm(path):
+        touched = []
+
+        def touch_then_source(self, buf, target):
+            if not touched:
+                shard = path / target.info.file
+                st = shard.stat()
+                os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+                touched.append(shard)
+            return orig(self, buf, target)
+
+        monkeypatch.setattr(Chunk, "source", touch_then_source)
+
+    return arm

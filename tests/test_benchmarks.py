@@ -40,18 +40,14 @@ ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32",
 @pytest.fixture(scope="module")
 def suite():
     """The benchmark modules imported with tiny parameters (params are fixed at import)."""
-    saved = {k: os.environ.get(k) for k in ENV}
     threads = torch.get_num_threads()
-    os.environ.update(ENV)
     try:
-        common = importlib.reload(importlib.import_module("benchmarks.common"))
-        mods = {m: importlib.reload(importlib.import_module(f"benchmarks.{m}")) for m in MODULES}
+        with pytest.MonkeyPatch.context() as mp:  # parameters are read at import only
+            for k, v in ENV.items():
+                mp.setenv(k, v)
+            common = importlib.reload(importlib.import_module("benchmarks.common"))
+            mods = {m: importlib.reload(importlib.import_module(f"benchmarks.{m}")) for m in MODULES}
     finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
         torch.set_num_threads(threads)
     assert common.PRESETS == ["tiny"]
     return common, mods

@@ -10,7 +10,6 @@ import importlib
 import itertools
 import json
 import math
-import os
 
 import pytest
 
@@ -24,18 +23,12 @@ def mods(tmp_path_factory):
     """The benchmark modules imported with tiny parameters (fixed at import), their pools
     closed afterwards."""
     env = {**ENV, "FP8_RELOAD_BENCH_DIR": str(tmp_path_factory.mktemp("bench"))}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with pytest.MonkeyPatch.context() as mp:  # parameters are read at import only
+        for k, v in env.items():
+            mp.setenv(k, v)
         out = {name: importlib.reload(importlib.import_module(f"benchmarks.{name}"))
                for name in ("ep_common", "rebalance", "ep_forward", "rebalance_table",
                             "ep_forward_report")}
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
     yield out
     out["ep_common"].close_pools()
 

@@ -6,8 +6,6 @@ reload (fresh-load bytes, rollback bit for bit).
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -143,27 +141,14 @@ def test_a_failure_mid_commit_of_a_filtered_reload_rolls_back(ckpts, monkeypatch
     assert fr.compare_states(before, fr.snapshot(model)) != []
 
 
-def test_a_file_changed_under_a_filtered_reload_rolls_it_back(ckpts, tmp_path, monkeypatch):
-    from fp8_reload.reload.chunks import Chunk
-
+def test_a_file_changed_under_a_filtered_reload_rolls_it_back(ckpts, tmp_path, rewrite_mid_stream):
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [0, 3], 2: [7]})
     fr.update_weights_from_disk(model, path, flt)  # index, targets, checked values cached
     fr.update_weights_from_disk(model, ckpts["fp8", 0], flt)
     before = fr.snapshot(model)
-    orig = Chunk.source
-    touched = []
-
-    def touch_then_source(self, buf, target):
-        if not touched:  # a writer rewrites a shard mid-reload (same bytes, new stamp)
-            shard = path / target.info.file
-            st = shard.stat()
-            os.utime(shard, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
-            touched.append(shard)
-        return orig(self, buf, target)
-
-    monkeypatch.setattr(Chunk, "source", touch_then_source)
+    rewrite_mid_stream(path)
     with pytest.raises(fr.CorruptCheckpointError, match="changed while they were read"):
         fr.update_weights_from_disk(model, path, flt)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
@@ -217,3 +202,44 @@ def test_targets_follow_a_replaced_parameter(ckpts, tmp_path):
         setattr(moe, name, new)
     fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
     assert fr.compare_states(_expected(ckpts, "fp8", {1: [0, 3]}, tmp_path), fr.snapshot(model)) == []
+
+
+def test_targets_are_planned_once_per_model_across_checkpoints(ckpts, tiny_cfg, tmp_path):
+    """Where a tensor lands depends on the model, not on the files: a reload from new
+    files (RL weight sync writes new ones every step) reuses the views planned before,
+    with the new files' offsets, and still equals a fresh load of the new files."""
+    other = fr.write_checkpoint(tmp_path / "other", tiny_cfg, seed=1, min_shards=7)
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    planned = plan_reload(model, open_checkpoint(model, ckpts["fp8", 0]), None, False)[1]
+    first = {t.info.name: t for t in planned}
+    ckpt = open_checkpoint(model, other)
+    where = lambda info: (info.file, info.offset)  # noqa: E731
+    assert sum(where(ckpt.info(n)) != where(t.info) for n, t in first.items()) > len(first) // 2
+    again = plan_reload(model, ckpt, None, False)[1]
+    assert {t.info.name for t in again} == set(first)
+    for t in again:
+        assert t.info is ckpt.info(t.info.name)  # this parse's offsets and files
+        assert [v.data_ptr() for v in t.views] == [v.data_ptr() for v in first[t.info.name].views]
+        assert all(a is b for a, b in zip(t.views, first[t.info.name].views))  # views reused
+    fr.update_weights_from_disk(model, other)
+    assert fr.compare_states(fr.snapshot(fr.load_model(other)), fr.snapshot(model)) == []
+
+
+def test_a_fresh_load_leaves_its_parse_and_plan_to_the_first_reload(ckpts, monkeypatch):
+    """The first reload after `load_model` from unchanged files neither parses the files
+    again nor works out where tensors land: the load did both."""
+    import fp8_reload.reload.plan as plan_module
+    import fp8_reload.reload.targets as targets_module
+
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("planned again")
+
+    monkeypatch.setattr(targets_module, "_landing", refuse)
+    monkeypatch.setattr(plan_module, "Checkpoint", refuse)
+    report = fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    assert report.tensors_loaded == len(fr.Checkpoint(ckpts["fp8", 0]).names)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

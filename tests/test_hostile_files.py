@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 
 import fp8_reload as fr
@@ -38,7 +39,8 @@ import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 from . import bad_checkpoints as bad
-from .conftest import copy_checkpoint, mix_checkpoints
+from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor
+from .threads import start as start_thread
 
 WAIT = 10.0
 
@@ -50,20 +52,11 @@ def unchanged(model, before) -> list[str]:
 def in_thread(fn, *args, timeout: float = WAIT):
     """Run fn(*args) in a daemon thread: ("ok", value), ("error", exception) or
     ("hung", None) if it did not return within `timeout`."""
-    out = {}
-
-    def run():
-        try:
-            out["ok"] = fn(*args)
-        except BaseException as e:  # surfaced to the test
-            out["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
+    t, out = start_thread(fn, *args)
     t.join(timeout)
     if t.is_alive():
         return "hung", None
-    return ("error", out["error"]) if "error" in out else ("ok", out["ok"])
+    return ("error", out["error"]) if "error" in out else ("ok", out["value"])
 
 
 @pytest.fixture
@@ -424,6 +417,9 @@ def test_a_rewrite_the_stamps_cannot_see_is_still_noticed(ckpts, two_indexes, mo
     path, _, b = two_indexes
     tick = time.time_ns()  # every file's times frozen at one fresh tick
     monkeypatch.setattr(files_mod, "stamp", lambda st: (st.st_dev, st.st_ino, st.st_size, tick, tick))
+    # and fresh however long the test takes: a tick that aged past SETTLED_NS (a slow
+    # load on a busy machine) would be taken for a settled file, whose stamp must move
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 10**18)
     model = fr.load_model(ckpts["fp8", 0])
     flt = fr.generate_weight_name_filter({1: [2]})
     fr.update_weights_from_disk(model, path, flt)
@@ -433,6 +429,35 @@ def test_a_rewrite_the_stamps_cannot_see_is_still_noticed(ckpts, two_indexes, mo
     fr.update_weights_from_disk(model, path)
     assert cached(model, path) is not first
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model)) == []
+
+
+def test_a_bad_value_written_where_the_stamps_cannot_see_is_still_refused(ckpts, tmp_path, monkeypatch,
+                                                                          engine):
+    """A shard rewritten in place within one timestamp tick at the same size keeps its
+    stamp, and here its header too (the same tensors, one value changed). Simulated by a
+    stamp that never changes, for files still fresh however long the test takes. Values
+    checked by an earlier reload are not taken as checked for such a file: a NaN written
+    this way is refused and the model is unchanged."""
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    tick = time.time_ns()
+    monkeypatch.setattr(files_mod, "stamp", lambda st: (st.st_dev, st.st_ino, st.st_size, tick, tick))
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 10**18)
+    model = fr.load_model(ckpts["fp8", 0])
+    flt = fr.generate_weight_name_filter({1: [2]})
+    fr.update_weights_from_disk(model, path, flt)  # parsed, values checked
+    first = cached(model, path)
+    fr.update_weights_from_disk(model, ckpts["fp8", 0], flt)
+    before = fr.snapshot(model)
+    name = "model.layers.1.mlp.experts.2.up_proj.weight"
+    other = copy_checkpoint(path, tmp_path / "other")
+    rewrite_tensor(other, name, lambda t: t.view(torch.uint8).clone().fill_(0x7F).view(t.dtype))  # NaN
+    shard = fr.Checkpoint(path).weight_map[name]
+    with open(path / shard, "r+b") as f:  # same inode, same size, same header
+        f.write((other / shard).read_bytes())
+    with pytest.raises(fr.InvalidTensorError, match=name):
+        fr.update_weights_from_disk(model, path, flt)
+    assert cached(model, path) is first  # the same parse: the stamps and header did not move
+    assert unchanged(model, before) == []
 
 
 def test_a_checkpoint_at_rest_is_checked_by_stamps_alone(ckpts, two_indexes, monkeypatch):

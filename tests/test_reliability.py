@@ -36,6 +36,7 @@ from fp8_reload.reload.chunks import Chunk
 
 from . import bad_checkpoints as bad
 from .conftest import WRITE_POINT, copy_checkpoint, fail_if_hangs, mix_checkpoints, tokens
+from .threads import start as start_thread
 
 KINDS = ["fp8", "bf16"]
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -497,20 +498,6 @@ class Gate:
         monkeypatch.setattr(owner, attr, wrapper)
 
 
-def _thread(fn, *args):
-    result = {}
-
-    def run():
-        try:
-            result["value"] = fn(*args)
-        except BaseException as e:  # surfaced by the test
-            result["error"] = e
-
-    t = threading.Thread(target=run, daemon=True)
-    t.start()
-    return t, result
-
-
 @pytest.fixture(scope="module")
 def outputs(ckpts, tiny_cfg):
     """outputs(device): input and forward outputs of fresh seed-0 and seed-1 fp8 models."""
@@ -531,7 +518,7 @@ def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, o
     x, y0, y1 = outputs(device)
     model = fr.load_model(ckpts["fp8", 0], device=device)
     gate = Gate(monkeypatch, *WRITE_POINT[engine], at=40)  # mid-commit
-    reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
+    reload_t, reload_r = start_thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     assert gate.reached.wait(WAIT)
 
     # The control: the model *is* half-written now, and a forward that bypassed the
@@ -539,7 +526,7 @@ def test_forward_waits_for_a_commit_and_never_sees_a_half_written_model(ckpts, o
     torn = model.model(x)
     assert not torch.equal(torn, y0) and not torch.equal(torn, y1)
 
-    fwd_t, fwd_r = _thread(model, x)
+    fwd_t, fwd_r = start_thread(model, x)
     fwd_t.join(0.3)
     assert fwd_t.is_alive(), "a forward ran while weights were being written"
     gate.open.set()
@@ -575,9 +562,9 @@ def test_forwards_keep_running_while_a_reload_reads_the_checkpoint(ckpts, output
         monkeypatch.setattr(Checkpoint, "read", slow_read)
     else:
         monkeypatch.setattr(stream_mod, "read_scalars", slow_scalars)
-    reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
+    reload_t, reload_r = start_thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     assert reached.wait(WAIT)
-    fwd_t, fwd_r = _thread(model, x)
+    fwd_t, fwd_r = start_thread(model, x)
     fwd_t.join(WAIT)
     assert not fwd_t.is_alive() and torch.equal(fwd_r["value"], y0)
     release.set()
@@ -601,12 +588,12 @@ def test_a_waiting_reload_is_not_starved_by_new_forwards(ckpts, outputs, monkeyp
     slow = threading.Thread(target=model, args=(x,), name="slow-forward", daemon=True)
     slow.start()
     assert inside.wait(WAIT)
-    reload_t, reload_r = _thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
+    reload_t, reload_r = start_thread(fr.update_weights_from_disk, model, ckpts["fp8", 1])
     deadline = time.monotonic() + WAIT
     while model.weights_lock._writers_waiting == 0:  # the commit is queued
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    late_t, late_r = _thread(model, x)
+    late_t, late_r = start_thread(model, x)
     late_t.join(0.2)
     assert late_t.is_alive(), "a new forward overtook the waiting reload"
     leave.set()
@@ -705,7 +692,7 @@ def test_a_reload_from_inside_a_forward_is_refused_not_deadlocked(ckpts, outputs
             errors.append(e)
 
     handle = model.model.register_forward_hook(reload_hook)
-    t, r = _thread(model, x)
+    t, r = start_thread(model, x)
     t.join(WAIT)
     handle.remove()
     assert not t.is_alive(), "deadlocked"

@@ -37,11 +37,8 @@ def fp8_w13(e: int, inter: int, hidden: int, seed: int = 0):
 
 @pytest.mark.parametrize("experts", [[0, 1, 2, 3, 4, 5, 6], [5], [1, 3, 6], [2, 3, 4]],
                          ids=["all", "one", "some", "a-run"])
-@pytest.mark.parametrize("seed", [0, 1], ids=["first-launch", "cached-launch"])
-def test_requantize_matches_the_torch_path(experts, seed):
-    """The second seed's call (same shapes, other tensors) launches the kernel compiled by
-    the first through `launch`'s cache, on a GPU."""
-    q, s = fp8_w13(7, 48, 80, seed=seed)
+def test_requantize_matches_the_torch_path(experts):
+    q, s = fp8_w13(7, 48, 80)
     idx = torch.tensor(experts)
     a13, a2 = torch.rand(7) + 0.5, torch.rand(7) + 0.5
     raw13, raw2 = torch.rand(7), torch.rand(7)
@@ -117,7 +114,7 @@ def test_ops_dispatch_to_triton_on_cuda_with_the_same_bytes():
     assert_bitwise_equal(want_s, got_s.cpu(), "w13_scale")
 
 
-@pytest.mark.parametrize("seed", [3, 4], ids=["first-launch", "cached-launch"])
+@pytest.mark.parametrize("seed", [3, 4])
 @pytest.mark.parametrize("where", ["device", "host"], ids=["pieces-on-device", "pieces-on-host"])
 def test_quantize_staged_by_address_matches_the_torch_path(seed, where):
     """The layout's addresses instead of a view per piece (the Triton path of

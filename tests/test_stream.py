@@ -8,17 +8,16 @@ engine, with every Parameter the same object.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
 import fp8_reload as fr
+import fp8_reload.checkpoint.files as files_mod
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.layers import EXPERT_RE
-from fp8_reload.reload.chunks import Chunk, make_chunks
+from fp8_reload.reload.chunks import make_chunks
 from fp8_reload.reload.targets import plan_targets
 
 from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor, tokens
@@ -192,6 +191,8 @@ def test_values_are_checked_once_while_the_files_are_unchanged(ckpts, tmp_path, 
     import fp8_reload.reload.stream as stream_mod
 
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    # the files at rest (settled when parsed): only then are checked values kept
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 0)
     model = fr.load_model(ckpts["fp8", 0])
     calls = []
     orig = stream_mod.has_bad_values
@@ -205,21 +206,12 @@ def test_values_are_checked_once_while_the_files_are_unchanged(ckpts, tmp_path, 
         fr.update_weights_from_disk(model, path)
 
 
-def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, monkeypatch):
+def test_a_file_changed_while_streaming_rolls_the_reload_back(ckpts, tmp_path, monkeypatch,
+                                                              rewrite_mid_stream):
     path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    orig = Chunk.source
-    touched = []
-
-    def touch_then_source(self, buf, target):
-        if not touched:  # a writer rewrites a shard mid-reload (same bytes, new stamp)
-            shard = path / target.info.file
-            os.utime(shard, ns=(shard.stat().st_atime_ns, shard.stat().st_mtime_ns + 10**9))
-            touched.append(shard)
-        return orig(self, buf, target)
-
-    monkeypatch.setattr(Chunk, "source", touch_then_source)
+    rewrite_mid_stream(path)
     with pytest.raises(fr.CorruptCheckpointError, match="changed while they were read"):
         fr.update_weights_from_disk(model, path)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

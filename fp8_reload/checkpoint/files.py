@@ -105,19 +105,18 @@ def open_regular(path) -> io.FileIO:
     """
     require_regular(stat_path(path), path)
     try:
-        fd = os.open(path, _OPEN_FLAGS)
+        # the FileIO owns the descriptor as soon as the opener returns it, and only the
+        # FileIO closes it: a Ctrl-C inside the lambda leaks one descriptor at worst,
+        # never closes one twice
+        f = io.FileIO(path, "rb", opener=lambda p, _: os.open(p, _OPEN_FLAGS))
     except (OSError, ValueError) as e:
         raise os_error(e, path) from None
     try:
-        try:
-            st = os.fstat(fd)
-        except OSError as e:
-            raise os_error(e, path) from None
-        require_regular(st, path)  # it was swapped since the stat above
-        return io.FileIO(fd, "rb", closefd=True)
+        require_regular(fstat(f, path), path)  # it was swapped since the stat above
     except BaseException:
-        os.close(fd)
+        f.close()
         raise
+    return f
 
 
 def fstat(f: io.FileIO, path) -> os.stat_result:

@@ -101,10 +101,23 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+class _Where:
+    """"<file>: header entry for tensor <name>", formatted only for an error message (a
+    checkpoint's thousands of valid entries never need it)."""
+
+    __slots__ = ("file", "name")
+
+    def __init__(self, file, name):
+        self.file, self.name = file, name
+
+    def __str__(self) -> str:
+        return f"{self.file}: header entry for tensor {self.name!r}"
+
+
 def _parse_entry(file: Path, fname: str, name: str, meta, data_start: int,
                  data_len: int) -> TensorInfo:
-    where = f"{file}: header entry for tensor {name!r}"
-    if not isinstance(meta, dict) or not {"dtype", "shape", "data_offsets"} <= set(meta):
+    where = _Where(file, name)
+    if not isinstance(meta, dict) or not ("dtype" in meta and "shape" in meta and "data_offsets" in meta):
         raise CorruptCheckpointError(f"{where} is not {{dtype, shape, data_offsets}}: {str(meta)[:200]}")
     dtype_name, shape, offsets = meta["dtype"], meta["shape"], meta["data_offsets"]
     if not isinstance(dtype_name, str):

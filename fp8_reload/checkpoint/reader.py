@@ -225,6 +225,14 @@ class Checkpoint:
                                               f"which does not exist ({fpath})") from None
         return self._headers[fname].tensors
 
+    def settled(self, fname: str) -> bool:
+        """Whether shard `fname` was settled (`files.settled`) when its header was parsed:
+        then any later rewrite moves its stamp, and what was read from it may be kept
+        with this parse. A fresh one can be rewritten in place within one timestamp tick
+        without its stamp moving: only its header bytes are compared, not its data."""
+        self._header(fname)
+        return self._headers[fname].settled
+
     def open_shard(self, fname: str):
         """Open shard `fname` for its tensor bytes, if it is still the file whose header
         was parsed (same stamp and header bytes): (file, its stamp). A shard replaced or

@@ -98,7 +98,9 @@ def arena(model, which: str) -> PinnedArena:
 
 def release_staging(model) -> None:
     """Give back what reloads hold between calls: pinned staging, backup and ring
-    memory, registered shards, device scratch (the next reload re-allocates them)."""
+    memory, registered shards, device scratch, and where tensors land (views of the
+    Parameters' memory, kept from `load_model` on: memory a Parameter was moved off
+    stays allocated while they hold it). The next reload re-allocates and re-plans."""
     for thing in held(model).values():
         thing.release()
 

@@ -7,7 +7,15 @@ from torch.nn import Parameter
 
 from .. import trace
 from ..layers import set_weight_attrs
-from ..quant import FP8_DTYPE, amax_scale, dequantize, quantize_dynamic, quantize_static, requantize
+from ..quant import (
+    FP8_DTYPE,
+    amax_scale,
+    by_row_blocks_,
+    dequantize,
+    quantize_dynamic,
+    quantize_static,
+    requantize,
+)
 from .ops import gather_to
 
 
@@ -167,7 +175,7 @@ class FixedFp8LinearMethod:
                 for i, width in enumerate(layer.logical_widths):
                     if s[i] != m:
                         rows = w.narrow(0, start, width)
-                        rows.copy_(requantize(rows, s[i], m))
+                        by_row_blocks_(rows, rows, lambda r, old=s[i]: requantize(r, old, m))
                     start += width
             s.fill_(m)
             layer.input_scale.data.fill_(layer.input_scale.data.max())
@@ -177,8 +185,8 @@ class FixedFp8LinearMethod:
             if missing:
                 raise RuntimeError(f"quantize-on-load: shards {missing} of the layer were not loaded")
             full = gather_to(w.device, [[layer.staged[k] for k in keys]])[0]
-            q, scale = quantize_dynamic(full)
-            w.copy_(q)
+            scale = amax_scale(full)
+            by_row_blocks_(w, full, lambda rows: quantize_static(rows, scale))
             layer.weight_scale.data.fill_(scale)
             layer.staged.clear()
         if not layer.kernel_layout:

@@ -127,13 +127,18 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
 def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[float]:
     """The values of the 0-dim float32 targets, one positional read per run of adjacent
     ones; with `check`, each must be finite and positive. Values are kept with the parsed
-    checkpoint (which lives while the files' stamps are unchanged): a repeated reload
-    reads none of them again."""
+    checkpoint (which lives while the files' stamps are unchanged) when their shard was
+    settled when parsed (`Checkpoint.settled`): a repeated reload reads none of them
+    again. From a shard still fresh then they are read each time, as its weights are."""
     known = ckpt.scalars
+    fresh: dict[str, float] = {}
     todo = sorted((t for t in targets if t.info.name not in known),
                   key=lambda t: (t.info.file, t.info.offset))
     for chunk in make_chunks(todo, 1 << 40):
         path = ckpt.path / chunk.file
+        # kept only from a shard settled when parsed: a fresh one rewritten in place
+        # within its timestamp tick keeps its stamp, and its new scales must be read
+        into = known if ckpt.settled(chunk.file) else fresh
         handle, _ = ckpt.open_shard(chunk.file)
         inside = iter(chunk.targets)  # in offset order, as the spans: one pass over both
         t = next(inside, None)
@@ -141,9 +146,9 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
             for off, n, _ in chunk.spans:
                 raw = read_span(handle, path, off, n, what=f"scales at byte {off}").numpy().tobytes()
                 while t is not None and t.info.offset < off + n:
-                    (known[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - off)
+                    (into[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - off)
                     t = next(inside, None)
-    values = [known[t.info.name] for t in targets]
+    values = [fresh[n] if n in fresh else known[n] for n in (t.info.name for t in targets)]
     if check:
         for t, v in zip(targets, values):
             if not (v > 0 and v != float("inf")):  # False for NaN too

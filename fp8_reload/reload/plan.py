@@ -52,9 +52,14 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
     if cached is not None and cached[1].unchanged():
         cache[key] = cached  # most recent last
         return cached[1]
-    ckpt = Checkpoint(path)
+    return remember_checkpoint(model, Checkpoint(path), keep)
+
+
+def remember_checkpoint(model, ckpt: Checkpoint, keep: int = 2) -> Checkpoint:
+    """Keep `ckpt` for `open_checkpoint` (a fresh load keeps the parse it loaded from)."""
+    cache = model.__dict__.setdefault("_checkpoint_cache", {})
     # [0] records what the parse was made from: config.json's and the index's bytes and stamps.
-    cache[key] = (dict(ckpt.sources), ckpt)
+    cache[_key(ckpt.path)] = (dict(ckpt.sources), ckpt)
     while len(cache) > keep:
         cache.pop(next(iter(cache)))
     return ckpt
@@ -97,8 +102,6 @@ class Planned:
         self.names = ckpt.names
         self.known = False  # every checkpoint name has a parameter in the model
         self.experts: dict[tuple[int, int], list[int]] | None = None  # (layer, expert) -> positions
-        self.targets = TargetCache()
-        self.full: tuple | None = None  # (names, targets) of a full streaming reload
 
     def select(self, weight_name_filter: NameFilter) -> list[str]:
         """The names the filter matches, in checkpoint order. An `ExpertFilter` is answered
@@ -115,6 +118,13 @@ class Planned:
             self.experts = index
         at = sorted(k for key in weight_name_filter.wanted for k in self.experts.get(key, ()))
         return [self.names[k] for k in at]
+
+
+def target_cache(model) -> TargetCache:
+    """The model's `TargetCache`: where tensors land depends on the model, not on the
+    parse, so it outlives checkpoints (RL weight sync reloads new files every step). Held
+    with the model's staging memory: `release_staging` gives back the views it holds."""
+    return staging.holder(model, "targets", TargetCache)
 
 
 def planned(model, ckpt: Checkpoint) -> Planned:
@@ -170,13 +180,14 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     engine. A full reload's plan depends only on the model and the parsed checkpoint: it
     is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
     the targets of tensors planned before."""
-    done = planned(model, ckpt)
-    if weight_name_filter is None and done.full is not None and done.targets.unchanged(model):
-        return done.full
+    done, cache = planned(model, ckpt), target_cache(model)
+    kept = cache.full.get(done) if weight_name_filter is None else None
+    if kept is not None and kept[2] == cache.version and cache.unchanged(model):
+        return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
-    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, done.targets)
-    if weight_name_filter is None:
-        done.full = (names, targets)
+    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache)
+    if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
+        cache.full[done] = (names, targets, cache.version)
     return names, targets
 
 

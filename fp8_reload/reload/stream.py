@@ -9,7 +9,9 @@ from the loaders' own rules), and runs the remaining loaders.
 Values are checked where they land (FP8 NaN encodings, non-finite floats) the first
 time a checkpoint's files are reloaded; a bad value raises `InvalidTensorError` and
 the transaction restores its backup. Values once checked are not checked again while
-the files' stamps are unchanged (the parsed checkpoint is reused only then).
+the files' stamps are unchanged (the parsed checkpoint is reused only then), if their
+shard was settled when parsed (`files.settled`): a fresh one can be rewritten in place
+within one timestamp tick without its stamp moving.
 
 On a GPU the copies run on a copy stream (`to_device`); each module's copies wait for
 the backup of that module (`wait_for(module)` gives its event), so the backup's
@@ -102,7 +104,10 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
         _commit_host(model, prep, streamed, stats)
     if prep.loaded:
         model.load_weights(prep.loaded)
-    prep.ckpt.checked.update(t.info.name for t in prep.targets)
+    # kept only from shards settled when parsed: a fresh one rewritten in place within
+    # its timestamp tick (same size and header) keeps its stamp and this parse, and its
+    # new values must be checked (as its scales are read again, reload/chunks.py)
+    prep.ckpt.checked.update(t.info.name for t in prep.targets if prep.ckpt.settled(t.info.file))
     return mark_loaded(prep.targets)
 
 

@@ -15,6 +15,7 @@ Kinds of target:
 from __future__ import annotations
 
 import os
+import weakref
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -66,6 +67,8 @@ def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
         target = known.get(info.name, False)
         if target is False:
             target = known[info.name] = _landing(model, info)
+        elif target is not None and target.info is not info:  # planned from another parse
+            target = known[info.name] = replace(target, info=info)
         if target is not None:  # quant targets are decided per call: a copy of the cached one
             out.append(replace(target) if target.kind == "quant" else target)
     _quant_units_or_loader(out, quantize_on_device)
@@ -73,16 +76,35 @@ def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
 
 
 class TargetCache:
-    """Where tensors land, kept between reloads. A module's targets are views of its
+    """Where tensors land, kept with the model between reloads of any checkpoint (a
+    target planned from another parse is reused with this parse's `TensorInfo`: the
+    layout check has made shape and dtype equal). A module's targets are views of its
     Parameters' memory at the slots its expert map gives: they are reused only while its
     quant method and Parameter objects are the same, over the same memory (pointer,
     shape, strides), with the same expert map (the modules themselves are fixed once the
     model is built). A Parameter replaced or rebound, or experts moved by a rebalance,
-    and that module's targets are worked out again."""
+    and that module's targets are worked out again.
+
+    It also keeps the full-reload plan of each parse (`full`, by its `Planned`: gone with
+    the parse). Every target holds views of Parameter memory: `release` drops them all
+    (`fr.release_staging`), so memory a Parameter no longer uses (rebound `.data`, as
+    `model.to(other_device)` does) is given back."""
 
     def __init__(self):
         self.module_of: dict[str, str] = {}  # checkpoint name -> module name (the name decides)
         self.modules: dict[str, tuple[tuple, tuple, dict]] = {}  # name -> (*state, targets)
+        # bumped whenever a module's targets are worked out anew: a plan kept whole (a full
+        # reload's) holds targets of the state before, even once `unchanged` holds again
+        self.version = 0
+        # Planned -> (names, targets, version) of a full streaming reload (reload/plan.py)
+        self.full: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    def release(self) -> None:
+        """Forget every target and kept plan (views of Parameter memory); the next
+        reload works them out again."""
+        self.modules.clear()
+        self.full.clear()
+        self.version += 1
 
     def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
         """{name: Target or None} of the module of tensor `name`, its state checked once
@@ -96,6 +118,7 @@ class TargetCache:
             cached = self.modules.get(module_name)
             if cached is None or not _same(cached[:2], (refs, values)):
                 cached = self.modules[module_name] = (refs, values, {})
+                self.version += 1
             known = checked[module_name] = cached[2]
         return known
 

@@ -52,6 +52,7 @@ from .plan import (
     open_checkpoint,
     plan,
     plan_reload,
+    remember_checkpoint,
     stage,
 )
 from .stream import commit, prepare
@@ -300,6 +301,12 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
         with timer.phase("process"), torch.no_grad():
             report.modules_processed = process_modules(list(model.quantized_modules()))
         synchronize(model)
+        if ENGINE == "stream" and not mode.scan_all:
+            # the first reload finds the parse and where every tensor lands (views of the
+            # Parameters: a property of the model) already worked out
+            with timer.phase("plan"):
+                remember_checkpoint(model, ckpt)
+                plan_reload(model, ckpt, None, on_triton_device(model), mode.expand_units)
     except Exception as e:
         raise ReloadError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
     report.tensors_loaded = len(staged)

@@ -22,7 +22,6 @@ import torch
 
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
-from .launch import launch
 from .runtime import INTERPRET, check_device, tl, triton
 
 BLOCK = 4096  # elements per program of the elementwise passes
@@ -164,12 +163,13 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     if not (w13.is_contiguous() and w13_scale.is_contiguous() and w13_scale.shape == (e_all, 2)):
         raise ValueError("requantize_w13_ needs contiguous w13 [E, 2I, H] and w13_scale [E, 2]")
     half = rows // 2 * hidden
-    launch(_requant_halves_kernel, (k, 2, triton.cdiv(half, BLOCK)),
-           w13, w13_scale, idx, first, half, w13.stride(0), listed, BLOCK, EXACT)
+    _requant_halves_kernel[(k, 2, triton.cdiv(half, BLOCK))](
+        w13, w13_scale, idx, first, half, w13.stride(0), LISTED=listed, BLOCK=BLOCK, EXACT=EXACT)
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
-    launch(_finalize_fp8_scales_kernel, (1,), w13_scale, idx, first, k, a13, a13_raw, a2, a2_raw, e_all,
-           listed, merge, min(1024, triton.next_power_of_2(k)), triton.next_power_of_2(e_all))
+    _finalize_fp8_scales_kernel[(1,)](
+        w13_scale, idx, first, k, a13, a13_raw, a2, a2_raw, e_all, LISTED=listed, MERGE_INPUT=merge,
+        BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all))
 
 
 def quantize_pieces_(pieces: list[tuple[torch.Tensor, torch.Tensor, int, torch.Tensor | None]]) -> None:
@@ -212,9 +212,9 @@ def quantize_pointers_(device, numel: int, src: list[int], dst: list[int], group
     nblocks = triton.cdiv(numel, BLOCK)
     partial = torch.empty(len(src) * nblocks, dtype=torch.float32, device=device)
     grid = (len(src), nblocks)
-    launch(_piece_amax_kernel, grid, src_ptr, partial, numel, nblocks, BLOCK)
-    launch(_piece_quant_kernel, grid, src_ptr, dst_ptr, gstart_d, gcount_d, scale_dst, scale_cols, partial,
-           numel, nblocks, INV_FP8_MAX, MIN_SCALE, BLOCK, 1024, EXACT)
+    _piece_amax_kernel[grid](src_ptr, partial, numel, nblocks, BLOCK=BLOCK)
+    _piece_quant_kernel[grid](src_ptr, dst_ptr, gstart_d, gcount_d, scale_dst, scale_cols, partial, numel,
+                              nblocks, INV_FP8_MAX, MIN_SCALE, BLOCK=BLOCK, RBLOCK=1024, EXACT=EXACT)
 
 
 __all__ = ["device_ints", "quantize_pieces_", "quantize_pointers_", "requantize_w13_"]
