@@ -44,8 +44,10 @@ def torch_flags(named) -> dict[str, bool]:
 
 
 def kernel_flags(named) -> dict[str, bool]:
-    """`value_flags_` on the tensors the torch path checks (not empty, floating)."""
+    """`value_flags_` on the tensors the torch path checks (not empty, floating) that the
+    kernel takes (whole aligned words; the others go through torch: `invalid_flags`)."""
     named = [(n, t.to(DEVICE)) for n, t in named if t.numel() and t.is_floating_point()]
+    named = [(n, t) for n, t in named if value_check.supported(t, positive(n, t))]
     if not named:
         return {}
     flags = value_check.value_flags_([t for _, t in named], [positive(n, t) for n, t in named])
@@ -80,7 +82,8 @@ def tensors(draw):
 def test_the_kernel_flags_what_the_torch_path_flags(items):
     named = [(f"{i}.{name}", t) for i, (name, t) in enumerate(items)]
     want = torch_flags(named)
-    assert kernel_flags(named) == want, [(n, t.dtype, t.numel()) for n, t in named]
+    got = kernel_flags(named)
+    assert got == {n: want[n] for n in got}, [(n, t.dtype, t.numel()) for n, t in named]
     names, flags = invalid_flags([(n, t.to(DEVICE)) for n, t in named], kernel=True)
     assert dict(zip(names, map(bool, flags.tolist()))) == want
 
@@ -94,14 +97,18 @@ def test_empty_tensors_and_an_empty_list():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("where", [0, BLOCK - 1, BLOCK, 3 * BLOCK + 5, 5 * BLOCK - 1])
-def test_one_bad_value_anywhere_in_a_tensor_of_many_blocks(dtype, where):
-    t = torch.ones(5 * BLOCK, dtype=torch.float32).to(dtype)
+@pytest.mark.parametrize("where", [0, 1, 3, -1, 0.5, 1.5, 3.25, 4.75])  # in blocks; -1: the last value
+@pytest.mark.parametrize("lane", [0, 1, 2, 3])  # the value's place in its 32-bit word
+def test_one_bad_value_anywhere_in_a_tensor_of_many_blocks(dtype, where, lane):
+    per_block = BLOCK * 4 // dtype.itemsize  # BLOCK counts 32-bit words
+    lane %= 4 // dtype.itemsize
+    where = 5 * per_block - 1 if where == -1 else int(where * per_block) // 4 * 4 + lane
+    t = torch.ones(5 * per_block, dtype=torch.float32).to(dtype)
     t.view(torch.uint8 if dtype.itemsize == 1 else torch.int16 if dtype.itemsize == 2
            else torch.int32)[where] = {1: 0x7F if dtype == torch.float8_e4m3fn else 0x7C,
                                        2: 0x7F80 if dtype == torch.bfloat16 else 0x7C00,
                                        4: 0x7F800000}[dtype.itemsize]
-    clean = torch.ones(5 * BLOCK, dtype=torch.float32).to(dtype)
+    clean = torch.ones(5 * per_block, dtype=torch.float32).to(dtype)
     assert value_check.value_flags_([clean.to(DEVICE), t.to(DEVICE)], [False, False]).tolist() == [0, 1]
 
 
@@ -131,17 +138,26 @@ def test_many_tensors_of_different_sizes_and_alignments():
 
 
 def test_what_the_kernel_does_not_take_goes_through_torch():
-    """float64 and non-contiguous tensors are checked by torch inside the kernel path."""
+    """float64, non-contiguous tensors, bytes that are not whole aligned 32-bit words and
+    scales that are not float32 are checked by torch inside the kernel path."""
     assert not value_check.supported(torch.ones(3, dtype=torch.float64))
     assert not value_check.supported(torch.ones(4, 4).t())
+    assert not value_check.supported(torch.ones(3, dtype=torch.bfloat16))  # 6 bytes
+    assert not value_check.supported(torch.ones(9, dtype=torch.bfloat16)[1:5])  # 2-byte aligned
+    assert not value_check.supported(torch.ones(4, dtype=torch.bfloat16), positive=True)
+    assert value_check.supported(torch.ones(4, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="value_flags_"):
         value_check.value_flags_([torch.ones(3, dtype=torch.float64)], [False])
     strided = torch.ones(4, 4)
     strided[3, 0] = float("nan")
     named = [("a.weight", strided.t()), ("b.weight_scale", torch.tensor([1e-320], dtype=torch.float64)),
-             ("c.weight", torch.ones(3, dtype=torch.int64)), ("d.weight", torch.ones(5))]
-    names, flags = invalid_flags(named, kernel=True)
-    assert dict(zip(names, flags.tolist())) == {"d.weight": 0, "a.weight": 1, "b.weight_scale": 1}
+             ("c.weight", torch.ones(3, dtype=torch.int64)), ("d.weight", torch.ones(5)),
+             ("e.weight", torch.tensor([1.0, float("inf"), 1.0], dtype=torch.bfloat16)),
+             ("f.weight_scale", torch.tensor([0.5, -0.5], dtype=torch.bfloat16))]
+    names, flags = invalid_flags([(n, t.to(DEVICE)) for n, t in named], kernel=True)
+    assert dict(zip(names, map(bool, flags.tolist()))) == {
+        "d.weight": False, "a.weight": True, "b.weight_scale": True, "e.weight": True,
+        "f.weight_scale": True}
 
 
 @settings(max_examples=40, deadline=None,
@@ -187,3 +203,25 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
         pytest.skip(f"cannot compile for sm90 here: {done.stderr.strip().splitlines()[-1:]}")
     loads = set(re.findall(r"ld\.global[\w.]*", done.stdout))
     assert "ld.global.v4.b32" in loads, loads
+
+
+@pytest.mark.parametrize("spelled", ["exact", "bare"])
+def test_tensors_already_on_the_device_are_checked_where_they_are(monkeypatch, spelled):
+    """With the kernel, tensors on the check's device are neither counted towards a batch
+    nor copied, however the device is spelled ("cuda" for tensors on "cuda:0", "cpu:0"
+    for "cpu"): a resident checkpoint is one launch, no copy."""
+    import fp8_reload.checkpoint.values as values
+
+    device = {"exact": DEVICE, "bare": "cuda" if DEVICE == "cuda" else "cpu:0"}[spelled]
+    copies, launches = [], []
+    real_runs, real_flags = values._contiguous_runs, value_check.value_flags_
+    monkeypatch.setattr(values, "_contiguous_runs", lambda batch: copies.append(batch) or real_runs(batch))
+    monkeypatch.setattr(value_check, "value_flags_",
+                        lambda *a: launches.append(a) or real_flags(*a))
+    named = [(f"{i}.weight", torch.ones(1024).to(DEVICE)) for i in range(6)]
+    named[4][1][7] = float("nan")
+    check = ValueCheck(device, batch_bytes=1024, kernel=True)  # every tensor fills a batch
+    for n, t in named:
+        check.add(n, t)
+    assert check.first_invalid()[0] == "4.weight"
+    assert copies == [] and len(launches) == 1

@@ -131,7 +131,7 @@ def invalid_flags(named: list[tuple[str, torch.Tensor]],
     fused: list[tuple[str, torch.Tensor, str]] = []
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
     for name, t, rule in checked:
-        if (vc is not None and (kernel or t.is_cuda) and vc.supported(t)
+        if (vc is not None and (kernel or t.is_cuda) and vc.supported(t, rule == "scale")
                 and (not fused or fused[0][1].device == t.device)):
             fused.append((name, t, rule))
         else:
@@ -148,6 +148,24 @@ def invalid_flags(named: list[tuple[str, torch.Tensor]],
     if len({f.device for f in flags}) > 1:
         flags = [f.cpu() for f in flags]
     return names, flags[0] if len(flags) == 1 else torch.cat(flags)
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Flags in the order of `tensors` (nonzero: a NaN or infinity, an FP8 NaN encoding),
+    queued where they are, nothing read back: the streaming reload's check of the values
+    where they landed (it reads and checks scales on the host). One launch of the kernel
+    where it takes every tensor, else `invalid_flags`' split."""
+    vc = _kernel_module(None, tensors)
+    if vc is not None and all(vc.supported(t) for t in tensors):
+        return vc.value_flags_(tensors, [False] * len(tensors))
+    names, flags = invalid_flags([(str(i), t) for i, t in enumerate(tensors)])
+    order = [int(n) for n in names]
+    if order == list(range(len(tensors))):
+        return flags
+    out = torch.zeros(len(tensors), dtype=flags.dtype, device=flags.device)
+    if order:
+        out[torch.tensor(order, device=flags.device)] = flags
+    return out
 
 
 def describe_invalid(name: str, t: torch.Tensor) -> str | None:
@@ -215,7 +233,7 @@ class ValueCheck:
 
     def __init__(self, device=None, batch_bytes: int = BATCH_BYTES, copy: bool | None = None,
                  kernel: bool | None = None):
-        self.device = None if device is None else torch.device(device)
+        self.device = None if device is None else _exact(torch.device(device))
         self.batch_bytes = batch_bytes
         self.copy = copy
         self.kernel = kernel
@@ -308,6 +326,14 @@ def check_values(named, where: Callable[[str], str], device=None) -> None:
     for name, t in named:
         check.add(name, t)
     check.raise_if_invalid(where)
+
+
+def _exact(device: torch.device) -> torch.device:
+    """`device` as tensors on it report theirs ("cuda" -> "cuda:<current>", "cpu:0" ->
+    "cpu"): compared with ``tensor.device``, "cuda" would never match "cuda:0"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _align(n: int) -> int:
