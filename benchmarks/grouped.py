@@ -32,6 +32,9 @@ FILTERED = [("1/layer", "fixed"), ("1/layer", "scan-all"), ("1/layer", "upstream
             ("10%", "fixed"), ("100%", "fixed"), ("100%", "upstream-style")]
 
 
+VALIDATE_TIMES = ("time_validate", "time_validate_resident", "time_check_landed", "time_first_reload")
+
+
 def reload_cases() -> list[tuple[str, tuple]]:
     """(Class.method, parameters) the reload group measures, each checkpoint's cases
     together (one model on the device at a time)."""
@@ -45,7 +48,7 @@ def reload_cases() -> list[tuple[str, tuple]]:
             shares = ["1/layer", "10%", "100%", "full"] if k == "fp8" else ["full"]
             out += [("RawReadCopy.time_read_copy", (p, k, e, "preadv")) for e in shares]
             out += [("RawReadCopy.time_read_copy", (p, k, "full", "safetensors"))]
-            out += [(f"ValidateStaged.{m}", (p, k)) for m in ("time_validate", "time_validate_resident")]
+            out += [(f"ValidateStaged.{m}", (p, k)) for m in VALIDATE_TIMES]
             out += [("ProcessMoELayer.time_process", (p, k, i)) for i in IMPLS]
     return out
 
@@ -141,14 +144,13 @@ DeepGemmScaleMode = _lookup_class(_F, "DeepGemmScaleMode", "time_forward", (PRES
 
 
 class ValidateStaged(_ReloadGroup):
-    """`reload.ValidateStaged`'s two times, measured by the reload group's setup_cache."""
+    """`reload.ValidateStaged`'s times, measured by the reload group's setup_cache."""
 
     params = (PRESETS, KINDS)
     param_names = ["preset", "kind"]
 
     def setup(self, cache, preset, kind):
-        self.values = {m: _lookup(cache, f"ValidateStaged.{m}", (preset, kind))
-                       for m in ("time_validate", "time_validate_resident")}
+        self.values = {m: _lookup(cache, f"ValidateStaged.{m}", (preset, kind)) for m in VALIDATE_TIMES}
 
     def track_time_validate(self, cache, preset, kind):
         return self.values["time_validate"]
@@ -156,7 +158,14 @@ class ValidateStaged(_ReloadGroup):
     def track_time_validate_resident(self, cache, preset, kind):
         return self.values["time_validate_resident"]
 
+    def track_time_check_landed(self, cache, preset, kind):
+        return self.values["time_check_landed"]
+
+    def track_time_first_reload(self, cache, preset, kind):
+        return self.values["time_first_reload"]
+
     track_time_validate.unit = track_time_validate_resident.unit = "seconds"
+    track_time_check_landed.unit = track_time_first_reload.unit = "seconds"
 
 
 def selection() -> list[str]:
