@@ -10,9 +10,15 @@ from __future__ import annotations
 
 import fp8_reload as fr
 
-from .common import BACKENDS, ON_CUDA, PRESETS, CheckpointSuite, RoutedBatch, checkpoint_key, requires_backend
-
-ACCURACY_TOKENS = [512] if ON_CUDA else [64]
+from .common import (
+    ACCURACY_TOKENS,
+    BACKENDS,
+    PRESETS,
+    CheckpointSuite,
+    RoutedBatch,
+    checkpoint_key,
+    requires_backend,
+)
 
 
 class ForwardAccuracy(CheckpointSuite):

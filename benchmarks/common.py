@@ -85,20 +85,21 @@ def _synchronize_cuda() -> None:  # commits before fp8_reload.testing
 synchronize = moved("fp8_reload.testing:synchronize") or _synchronize_cuda
 
 
-def _env_list(name: str, default: str) -> list[str]:
-    return [v.strip() for v in os.environ.get(name, default).split(",") if v.strip()]
+# The parameter lists live in knobs.py (torch-free), re-exported here; read again whenever
+# this module is (tests re-import it with other knobs).
+from . import knobs  # noqa: E402
 
-
-DEVICE = os.environ.get("FP8_RELOAD_BENCH_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
-ON_CUDA = DEVICE.startswith("cuda")
-
-PRESETS = _env_list("FP8_RELOAD_BENCH_PRESETS", "v2-lite:4" if ON_CUDA else "small")
-KINDS = _env_list("FP8_RELOAD_BENCH_KINDS", "fp8,bf16")
-TOKENS = [int(t) for t in _env_list("FP8_RELOAD_BENCH_TOKENS", "128,1024,4096" if ON_CUDA else "16,128")]
-# Share of each MoE layer's routed experts a filtered reload moves ("1/layer": one expert).
-FRACTIONS = ["1/layer", "10%", "50%", "100%"]
-# Every forward backend the project knows; the ones missing here are skipped.
-BACKENDS = ["torch", "triton", "deep_gemm", "deep_gemm_masked"]
+importlib.reload(knobs)
+from .knobs import (  # noqa: E402, F401
+    ACCURACY_TOKENS,
+    BACKENDS,
+    DEVICE,
+    FRACTIONS,
+    KINDS,
+    ON_CUDA,
+    PRESETS,
+    TOKENS,
+)
 
 _threads = os.environ.get("FP8_RELOAD_BENCH_THREADS")
 if _threads or (os.environ.get("ASV") and not ON_CUDA):  # only inside asv's processes

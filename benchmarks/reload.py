@@ -37,6 +37,7 @@ from .common import (
     loaded_model,
     require,
     requires_cuda,
+    sync,
     synchronized,
 )
 
@@ -119,16 +120,25 @@ class ReloadBytes(_ReloadCase):
 
 @synchronized
 class ValidateStaged(CheckpointSuite):
-    """The value check of a full checkpoint's staged tensors (FP8 NaN bytes, non-finite
-    floats, scales: `fp8_reload.checkpoint.values`), as the staged path runs it
-    (`load_model`, upstream's scan-all reads, ``FP8_RELOAD_ENGINE=staged``), beside
-    `FullReload` with the same parameters: what validating every value costs.
+    """The value check of a full checkpoint (FP8 NaN bytes, non-finite floats, scales:
+    `fp8_reload.checkpoint.values`), beside `FullReload` with the same parameters: what
+    validating every value costs.
 
-    ``time_validate``           the check as a GPU reload runs it, from the pinned staging
-                                arena: each batch copied to the device, checked there
-                                (inside a reload those copies overlap the disk reads, so
-                                this is an upper bound on what they add); on CPU, in place
-    ``time_validate_resident``  the check alone, tensors already on the device (its kernels)
+    ``time_validate``           as the staged path runs it (`load_model`, upstream's scan-all
+                                reads, ``FP8_RELOAD_ENGINE=staged``), from the pinned staging
+                                arena: each batch copied to the device, checked there (inside
+                                a reload those copies overlap the disk reads, so this is an
+                                upper bound on what they add); on CPU, in place
+    ``time_validate_resident``  the same check, tensors already on the device (its kernel)
+    ``time_check_landed``       as the default (streaming) reload runs it: the values where
+                                they landed, one flag per tensor (`nonfinite_flags`) and the
+                                one read-back, on the same tensors already on the device;
+                                it runs in the first reload of a checkpoint's files
+    ``time_first_reload``       that reload: the files' stamps just changed (their mtime
+                                moved, as when RL weight sync writes a new checkpoint), so
+                                it parses, plans and checks (the 4-8 ``utime`` calls are
+                                timed too, a few µs); `FullReload` is the repeated reload,
+                                which checks nothing
     """
 
     params = (PRESETS, KINDS)
@@ -136,12 +146,17 @@ class ValidateStaged(CheckpointSuite):
 
     def setup(self, paths, preset, kind):
         self.value_check = require("fp8_reload.checkpoint.values:ValueCheck")
+        self.landed_flags = require("fp8_reload.checkpoint.values:nonfinite_flags")
         arena_cls = require("fp8_reload.checkpoint:PinnedArena")
-        ckpt = fr.Checkpoint(paths[checkpoint_key(preset, kind)])
+        self.path = paths[checkpoint_key(preset, kind)]
+        ckpt = fr.Checkpoint(self.path)
         arena = arena_cls() if ON_CUDA else None
         self.staged = list(ckpt.read(ckpt.names, {}, into=arena))
         self.resident = [(n, t.to(DEVICE)) for n, t in self.staged]
-        self._validate(self.staged)  # warm-up
+        self.landed = [t for _, t in self.resident if t.numel()]
+        self._validate(self.staged)  # warm-ups
+        self.time_check_landed(paths, preset, kind)
+        self.model = loaded_model(self.path)  # (one per checkpoint, kept)
 
     def _validate(self, staged):
         check = self.value_check(DEVICE)
@@ -155,6 +170,17 @@ class ValidateStaged(CheckpointSuite):
 
     def time_validate_resident(self, paths, preset, kind):
         self._validate(self.resident)
+
+    def time_check_landed(self, paths, preset, kind):
+        if bool(self.landed_flags(self.landed).any()):  # the read-back waits for the device
+            raise RuntimeError("the benchmark checkpoint holds invalid values")
+
+    def time_first_reload(self, paths, preset, kind):
+        for f in Path(self.path).glob("*.safetensors"):
+            st = os.stat(f)
+            os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+        fr.update_weights_from_disk(self.model, self.path)
+        sync()
 
 
 class DeviceMemoryBound:

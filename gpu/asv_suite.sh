@@ -1,17 +1,19 @@
 #!/usr/bin/env bash
-# The asv suite on the H200: the regression set of a v2-lite slice (38 asv processes), the
-# report, the headline ratios against their targets.
+# The asv suite on the H200: every figure of the report on a v2-lite slice (benchmarks/grouped.py:
+# 2 measuring processes + 44 light lookups), the report, the headline ratios against their targets.
 #
-#   bash gpu/asv_suite.sh                 # from the repo root; ~5 minutes with warm JIT caches
+#   bash gpu/asv_suite.sh                 # from the repo root; ~3-4 minutes (estimate) with warm JIT caches
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
 #
-# Time: each asv process costs ~4-8 s on the H200 (spawn, torch + CUDA start, the model
-# slice, 3 samples; from the per-benchmark durations of the committed h200 results), so
-# the selection below is what keeps the run short: every figure of the headline and the
-# plots, the forward at the smallest and largest token counts. Estimate: ~4.2 min of asv +
-# the JIT prewarm (~20 s from a warm cache; a cold DeepGEMM cache adds 2-3 min once).
+# Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
+# H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection
+# took 435 s of asv (45 processes; results/h200/asv-suite/). benchmarks/grouped.py measures
+# the same 44 figures in 2 processes (one per group: reload + post-processing, forward;
+# each checkpoint's model loaded once) and hands them to asv through 44 lookup processes
+# that import no torch. Estimate (not yet measured): asv ~95-150 s, the whole script
+# ~3-4 min with warm JIT caches (a cold DeepGEMM cache adds 2-3 min once).
 # Results: $OUT/asv/<machine>/*.json (+ benchmarks.json) -> commit them as results/asv/,
 #          $OUT/report/ (headline.md/csv, forward.csv, PNG plots), $OUT/*.log.
 set -uo pipefail
@@ -65,12 +67,24 @@ info = ensure_machine(sys.argv[1], torch=torch.__version__, **gpu)
 print("asv machine:", info)
 EOF
 
+# The checkpoints (v2-lite:4 fp8 + bf16, ~40 s on a fresh host) are written while the
+# JIT caches compile; asv's setup_cache then finds them in FP8_RELOAD_BENCH_DIR.
+$PY -c "
+import time; t = time.perf_counter()
+from pathlib import Path
+from benchmarks.common import KINDS, write_checkpoints
+write_checkpoints(Path('$FP8_RELOAD_BENCH_DIR'), kinds=list(dict.fromkeys(KINDS + ['fp8'])))
+print(f'written or reused in {time.perf_counter() - t:.1f}s')" > "$OUT/checkpoints.log" 2>&1 &
+CKPT_PID=$!
+
 echo
 echo "== JIT caches (DeepGEMM / Triton kernels of the token counts the suite runs, compiled in parallel once)"
 if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ]; then
   $PY -m fp8_reload bench-kernels --jit-only --jit-procs 12 --no-gemm \
     --tokens "${FP8_RELOAD_PREWARM_TOKENS:-128,512,4096}" --out "$OUT/jit" 2>&1 | tail -3
 fi
+
+wait "$CKPT_PID" 2>/dev/null; echo "== checkpoints: $(tail -1 "$OUT/checkpoints.log")"
 
 if [ "${PHASES:-0}" = 1 ]; then
 echo
@@ -105,28 +119,17 @@ EOF
 fi
 
 echo
-echo "== asv run (spawn, 3 samples, one round)"
-F="'[^']*'"  # any preset
-BENCH=(
-  -b "FilteredReload\.time_reload\($F, 'fp8', '(1/layer|10%|100%)', 'fixed'\)"
-  -b "FilteredReload\.time_reload\($F, 'fp8', '(1/layer|100%)', 'upstream-style'\)"
-  -b "FilteredReload\.time_reload\($F, 'fp8', '1/layer', 'scan-all'\)"
-  -b "FullReload\.time_reload"
-  -b "ValidateStaged\.time_validate"
-  -b "RawReadCopy\.time_read_copy\($F, 'fp8', '(1/layer|10%|100%|full)', 'preadv'\)"
-  -b "RawReadCopy\.time_read_copy\($F, $F, 'full', 'safetensors'\)"
-  -b "RawReadCopy\.time_read_copy\($F, 'bf16', 'full', 'preadv'\)"
-  -b "ReloadDeviceMemory\.track_peak_bytes\($F, $F, '(1/layer|full)'\)"
-  -b "DeviceMemoryBound\.track_bound_bytes"
-  -b "ProcessMoELayer\.time_process"
-  -b "MoEForward\.time_forward\($F, '(triton|deep_gemm|deep_gemm_masked)', (128|4096)\)"
-  -b "MoEForward\.time_forward\($F, 'torch', 4096\)"
-  -b "ForwardAccuracy\.track_calc_diff"
-  -b "DeepGemmScaleMode\.time_forward\($F, $F, 128\)"
-)
+echo "== asv run (spawn; benchmarks.grouped: 2 measuring processes + one lookup per figure)"
+# Each figure of the report is one case of benchmarks/grouped.py: the two groups'
+# setup_cache processes measure them (3 samples each, the best kept), the lookup
+# processes (no torch) hand them to asv. The selection is exactly those cases.
+mapfile -t CASES < <($PY -m benchmarks.grouped)
+BENCH=()
+for c in "${CASES[@]}"; do BENCH+=(-b "$c"); done
+echo "${#CASES[@]} figures"
 t_asv=$(date +%s)
 $PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \
-  --record-samples -a repeat=3 -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
+  --record-samples -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
   | grep -v "^\s*$" | grep -v "^\s*For parameters\|asv: skipped" | tail -150
 echo "asv exit status: ${PIPESTATUS[0]} (2: a benchmark failed); asv took $(( $(date +%s) - t_asv ))s"
 

@@ -27,7 +27,7 @@ import torch
 import fp8_reload as fr
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = ["reload", "processing", "forward", "accuracy"]
+MODULES = ["reload", "processing", "forward", "accuracy", "grouped"]
 # Why a benchmark may skip on a machine without CUDA.
 CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not available")
 ENV = {"FP8_RELOAD_BENCH_PRESETS": "tiny", "FP8_RELOAD_BENCH_TOKENS": "8,32",
@@ -78,19 +78,33 @@ def cache(suite, tmp_path_factory):
         os.chdir(cwd)
 
 
+def common_setup_cache(suite):
+    return suite[0].CheckpointSuite.setup_cache
+
+
 @pytest.fixture(scope="module")
 def ran(suite, cache):
     """{(Class.method, params): value | 'skip: reason'} for the whole suite."""
     _, mods = suite
     results = {}
+    caches = {}  # one per setup_cache function, as asv keys them
     for _, cls, method in discover(mods):
         needs_cache = hasattr(cls, "setup_cache")
+        own = needs_cache and cls.setup_cache is not common_setup_cache(suite)
+        if own and cls.setup_cache not in caches:  # in the checkpoints' directory: reused
+            cwd = os.getcwd()
+            os.chdir(Path(next(iter(cache.values()))).parent)
+            try:
+                caches[cls.setup_cache] = cls().setup_cache()
+            finally:
+                os.chdir(cwd)
         params = (cls.params if isinstance(cls.params[0], list) else [cls.params]) \
             if hasattr(cls, "params") else []
         for combo in itertools.product(*params):
             bench = cls()
-            args = ((cache,) if needs_cache else ()) + combo
-            key = (f"{cls.__name__}.{method}", combo)
+            args = (((caches[cls.setup_cache] if own else cache),) if needs_cache else ()) + combo
+            grouped = cls.__module__.endswith(".grouped")  # same names: keyed apart
+            key = (f"{cls.__name__}.{method}" + ("@grouped" if grouped else ""), combo)
             try:
                 bench.setup(*args)
             except NotImplementedError as e:
@@ -110,7 +124,8 @@ def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):
             "ForwardAccuracy", "BlockScaleExpansion"} <= names
     for key, v in ran.items():
         if isinstance(v, str):
-            assert torch.cuda.is_available() or any(r in v for r in CPU_SKIPS), (key, v)
+            assert torch.cuda.is_available() or any(r in v for r in CPU_SKIPS) or (
+                key[0].endswith("@grouped") and v.endswith("not a case of this group")), (key, v)
         elif key[0].split(".")[1].startswith("track_"):
             assert isinstance(v, (int, float)) and math.isfinite(v) and v >= 0, (key, v)
         else:
@@ -118,7 +133,8 @@ def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):
 
 
 def test_torch_backend_is_never_skipped(ran):
-    torch_runs = [v for k, v in ran.items() if k[0].startswith("MoEForward") and k[1][1] == "torch"]
+    torch_runs = [v for k, v in ran.items() if k[0].startswith("MoEForward") and k[1][1] == "torch"
+                  and not k[0].endswith("@grouped")]  # grouped: only its cases (tested below)
     assert torch_runs and not any(isinstance(v, str) for v in torch_runs)
 
 
@@ -294,3 +310,30 @@ def test_kept_checkpoints_are_reused_only_when_they_match(suite, tmp_path):
     (Path(first["tiny-fp8"]) / "config.json").write_text("{}")  # damaged: rewritten
     common.write_checkpoints(tmp_path, presets=["tiny"], kinds=["fp8"])
     assert fr.Checkpoint(first["tiny-fp8"]).config == common.preset_config("tiny")
+
+
+def test_grouped_figures_are_the_per_process_benchmarks_figures(suite, ran):
+    """`grouped` (the GPU run) has the classes, parameters and values of the per-process
+    benchmarks: same parameter lists, every case measured or skipped for a stated reason,
+    and its selection picks exactly its cases."""
+    _, mods = suite
+    g = mods["grouped"]
+    for name in ("FilteredReload", "FullReload", "RawReadCopy", "ReloadDeviceMemory", "ProcessMoELayer",
+                 "MoEForward", "ForwardAccuracy", "DeepGemmScaleMode", "ValidateStaged"):
+        mod = next(m for m in mods.values() if m is not g and hasattr(m, name))
+        assert getattr(g, name).params == getattr(mod, name).params, name
+        assert getattr(g, name).param_names == getattr(mod, name).param_names, name
+    cases = g.reload_cases() + g.forward_cases()
+    for name, params in cases:
+        cls, method = name.split(".")
+        track = method if method.startswith("track_") else f"track_{method}"
+        v = ran[(f"{cls}.{track}@grouped", params)]
+        assert not isinstance(v, str) or any(r in v for r in CPU_SKIPS), (name, params, v)
+    import re
+    sel = g.selection()
+    assert len(sel) == len(cases)
+    for name, params in cases:
+        cls, method = name.split(".")
+        track = method if method.startswith("track_") else f"track_{method}"
+        shown = f"({', '.join(map(repr, params))})" if params else ""
+        assert sum(bool(re.search(r, f"grouped.{cls}.{track}{shown}")) for r in sel) == 1

@@ -231,3 +231,28 @@ def test_reload_plot_panels_show_curves_only():
         {"benchmark": FILTERED, "strategy": "scan-all", "experts": "1/layer", "value": 0.2},
         {"benchmark": RAW, "experts": "full", "reader": "preadv", "value": 0.05}])
     assert reload_series(rows, 16) == {"fixed": [(1 / 16, 0.01), (1.0, 0.1)]}  # no lone points
+
+
+def test_grouped_track_times_read_as_the_time_benchmarks(tmp_path):
+    """`benchmarks.grouped` (the GPU run) records times as ``track_time_*`` of the same
+    classes: the report reads them as the ``time_*`` figures; beside the per-process
+    benchmark of the same figure (a CPU run of everything), the per-process one counts."""
+    root = tmp_path / "asv"
+    gfull, graw = "grouped.FullReload.track_time_reload", "grouped.RawReadCopy.track_time_read_copy"
+    raw_params = [["small"], ["fp8"], ["full"], ["preadv"]]
+    write_benchmarks_json(root, {
+        gfull: (["preset", "kind"], [["small"], ["fp8", "bf16"]], "seconds"),
+        graw: (["preset", "kind", "experts", "reader"], raw_params, "seconds"),
+        FULL: (["preset", "kind"], [["small"], ["fp8", "bf16"]], "seconds")})
+    write_machine(root, "box")
+    write_result(root, "box", "f" * 40, {gfull: ([["small"], ["fp8", "bf16"]], [0.1, 0.3]),
+                                         graw: (raw_params, [0.08]),
+                                         FULL: ([["small"], ["fp8", "bf16"]], [NAN, 0.4])})
+    df = load_results(root)
+    times = df[df["benchmark"].str.endswith("FullReload.time_reload")].dropna(subset=["value"])
+    assert sorted(zip(times["kind"], times["value"], times["benchmark"])) == [
+        ("bf16", 0.4, FULL), ("fp8", 0.1, "grouped.FullReload.time_reload")]
+    assert set(times["bench_type"]) == {"time"} and set(times["unit"]) == {"seconds"}
+    hl = headline(df)
+    row = hl[(hl.kind == "fp8") & hl.figure.str.startswith("full reload")].iloc[0]
+    assert row["value"] == 80.0

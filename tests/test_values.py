@@ -224,9 +224,9 @@ def test_a_gpu_reload_checks_values_on_the_device_before_writing(ckpts, tmp_path
     seen = set()
     real = values.invalid_flags
 
-    def spy(named):
+    def spy(named, *args):
         seen.update(t.device.type for _, t in named)
-        return real(named)
+        return real(named, *args)
 
     monkeypatch.setattr(values, "invalid_flags", spy)
     with pytest.raises(fr.InvalidTensorError) as info:

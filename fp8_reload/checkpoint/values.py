@@ -17,7 +17,13 @@ Why it is cheap: each tensor costs reductions, never an elementwise temporary.
 * scales (``*_scale``): gathered into one vector, finite and > 0.
 
 Reductions of many tensors go through `torch._foreach_*` where torch has them
-(one kernel for a whole batch on a GPU, instead of one launch per tensor).
+(one kernel for a whole batch on a GPU, instead of one launch per tensor). That
+is still a few launches per dtype group, per tensor for the scales: ~50 ms for a
+1.74 GB checkpoint on an H200 (launch-bound). So on a CUDA device where Triton
+runs, a batch is checked by one launch instead (`kernels.triton.value_check`: every
+tensor, dtype and rule at once, from raw bits); the torch reductions stay for CPU,
+for GPUs without Triton and for what the kernel does not take (float64,
+non-contiguous). Both flag exactly the same tensors (`tests/test_value_kernel.py`).
 
 Where it runs: `ValueCheck(device)` checks on `device`. A GPU reload stages
 tensors in pinned host memory; the check copies them, batch by batch, into one
@@ -29,12 +35,14 @@ batch (`BATCH_BYTES`, or the largest tensor), not the reload.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 
 import torch
 
 from ..errors import InvalidTensorError
+from ..kernels.registry import triton_unavailable
 
 # FP8 formats: (lowest int8, lowest uint8) value of a non-finite byte: its exponent
 # bits are all ones (e4m3fn: only 0x7f/0xff, both NaN; e5m2: 0x7c.. inf, then NaN).
@@ -91,19 +99,47 @@ def _scale_bad(ts: list[torch.Tensor]) -> torch.Tensor:
 _RULES = {"fp8": _fp8_bad, "float": _float_bad, "scale": _scale_bad}
 
 
-def invalid_flags(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], torch.Tensor]:
-    """(names, flags): flags[i] is True where tensor names[i] holds an invalid value.
+@functools.cache
+def _triton_runs_here() -> bool:
+    return triton_unavailable() is None
+
+
+def _kernel_module(kernel: bool | None, tensors):
+    """`kernels.triton.value_check` if a tensor of `tensors` is checked by it (`kernel`:
+    forced on or off; None: CUDA tensors where Triton runs), else None."""
+    if kernel is False or not tensors:
+        return None
+    if kernel is None and not (any(t.is_cuda for t in tensors) and _triton_runs_here()):
+        return None
+    from ..kernels.triton import value_check  # needs triton: imported on use
+
+    return value_check
+
+
+def invalid_flags(named: list[tuple[str, torch.Tensor]],
+                  kernel: bool | None = None) -> tuple[list[str], torch.Tensor]:
+    """(names, flags): flags[i] is nonzero where tensor names[i] holds an invalid value.
 
     Runs where the tensors are, asynchronously (no host synchronization); tensors
-    without anything to check (integers, empty) are left out of `names`.
+    without anything to check (integers, empty) are left out of `names`. `kernel`:
+    check with the one-launch Triton kernel (True: also CPU tensors, under Triton's
+    interpreter), with torch reductions (False), or the kernel for CUDA tensors where
+    Triton runs (None).
     """
+    checked = [(name, t, rule) for name, t in named if (rule := _rule(name, t)) is not None]
+    vc = _kernel_module(kernel, [t for _, t, _ in checked])
+    fused: list[tuple[str, torch.Tensor, str]] = []
     groups: dict[tuple, list[tuple[str, torch.Tensor]]] = {}
-    for name, t in named:
-        rule = _rule(name, t)
-        if rule is not None:
+    for name, t, rule in checked:
+        if (vc is not None and (kernel or t.is_cuda) and vc.supported(t, rule == "scale")
+                and (not fused or fused[0][1].device == t.device)):
+            fused.append((name, t, rule))
+        else:
             key = (rule, t.dtype if rule != "scale" else None, t.device)
             groups.setdefault(key, []).append((name, t))
-    names, flags = [], []
+    names, flags = [n for n, _, _ in fused], []
+    if fused:  # one launch for all of them
+        flags.append(vc.value_flags_([t for _, t, _ in fused], [r == "scale" for _, _, r in fused]))
     for (rule, _, _), items in groups.items():
         names += [n for n, _ in items]
         flags.append(_RULES[rule]([t for _, t in items]))
@@ -111,7 +147,25 @@ def invalid_flags(named: list[tuple[str, torch.Tensor]]) -> tuple[list[str], tor
         return [], torch.zeros(0, dtype=torch.bool)
     if len({f.device for f in flags}) > 1:
         flags = [f.cpu() for f in flags]
-    return names, torch.cat(flags)
+    return names, flags[0] if len(flags) == 1 else torch.cat(flags)
+
+
+def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """Flags in the order of `tensors` (nonzero: a NaN or infinity, an FP8 NaN encoding),
+    queued where they are, nothing read back: the streaming reload's check of the values
+    where they landed (it reads and checks scales on the host). One launch of the kernel
+    where it takes every tensor, else `invalid_flags`' split."""
+    vc = _kernel_module(None, tensors)
+    if vc is not None and all(vc.supported(t) for t in tensors):
+        return vc.value_flags_(tensors, [False] * len(tensors))
+    names, flags = invalid_flags([(str(i), t) for i, t in enumerate(tensors)])
+    order = [int(n) for n in names]
+    if order == list(range(len(tensors))):
+        return flags
+    out = torch.zeros(len(tensors), dtype=flags.dtype, device=flags.device)
+    if order:
+        out[torch.tensor(order, device=flags.device)] = flags
+    return out
 
 
 def describe_invalid(name: str, t: torch.Tensor) -> str | None:
@@ -169,13 +223,22 @@ class ValueCheck:
     `device`: where the checks run (None: wherever each tensor is). Tensors on
     another device are copied there into one reused buffer; `copy=True` packs
     them into that buffer even when they are already there (tests use it to run
-    the GPU path's packing on a CPU).
+    the GPU path's packing on a CPU). `kernel`: as `invalid_flags`'s (None: the
+    Triton kernel on a CUDA device where Triton runs).
+
+    With the kernel, tensors already on `device` do not count towards a batch: they
+    need no buffer, and the fewer batches, the fewer launches (all of a resident
+    checkpoint is one launch).
     """
 
-    def __init__(self, device=None, batch_bytes: int = BATCH_BYTES, copy: bool | None = None):
-        self.device = None if device is None else torch.device(device)
+    def __init__(self, device=None, batch_bytes: int = BATCH_BYTES, copy: bool | None = None,
+                 kernel: bool | None = None):
+        self.device = None if device is None else _exact(torch.device(device))
         self.batch_bytes = batch_bytes
         self.copy = copy
+        self.kernel = kernel
+        self._resident_free = (self.device is not None and not copy and kernel is not False
+                               and (kernel or (self.device.type == "cuda" and _triton_runs_here())))
         self.sources: dict[str, torch.Tensor] = {}  # name -> tensor as given (for the message)
         self.order: dict[str, int] = {}
         self._pending: list[tuple[str, torch.Tensor]] = []
@@ -187,25 +250,30 @@ class ValueCheck:
         self.sources[name] = tensor
         self.order.setdefault(name, len(self.order))
         self._pending.append((name, tensor))
+        if self._resident_free and tensor.device == self.device:
+            return
         self._pending_bytes += tensor.numel() * tensor.element_size()
         if self._pending_bytes >= self.batch_bytes:
             self._flush()
 
     def _flush(self) -> None:
         if self._pending:
-            self._results.append(invalid_flags(self._on_device(self._pending)))
+            self._results.append(invalid_flags(self._on_device(self._pending), self.kernel))
         self._pending, self._pending_bytes = [], 0
 
     def _on_device(self, batch):
         device = self.device
         if device is None or (not self.copy and all(t.device == device for _, t in batch)):
             return batch
-        runs = _contiguous_runs([(n, t) for n, t in batch if t.numel()])  # empty: nothing to check
+        # with the kernel, tensors already there stay where they are (they were not counted)
+        keep = [(n, t) for n, t in batch if self._resident_free and t.device == device]
+        runs = _contiguous_runs([(n, t) for n, t in batch  # empty: nothing to check
+                                 if t.numel() and not (self._resident_free and t.device == device)])
         total = sum(_align(hi - lo) for _, lo, hi, _ in runs)
         if self._buffer is None or self._buffer.numel() < total or self._buffer.device != device:
             self._buffer = None
             self._buffer = torch.empty(total, dtype=torch.uint8, device=device)
-        out, pos = [], 0
+        out, pos = keep, 0
         for src, lo, hi, members in runs:
             # one copy per run; stream-ordered after the kernels that read the buffer before
             self._buffer[pos:pos + hi - lo].copy_(src, non_blocking=True)
@@ -258,6 +326,14 @@ def check_values(named, where: Callable[[str], str], device=None) -> None:
     for name, t in named:
         check.add(name, t)
     check.raise_if_invalid(where)
+
+
+def _exact(device: torch.device) -> torch.device:
+    """`device` as tensors on it report theirs ("cuda" -> "cuda:<current>", "cpu:0" ->
+    "cpu"): compared with ``tensor.device``, "cuda" would never match "cuda:0"."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu") if device.type == "cpu" else device
 
 
 def _align(n: int) -> int:

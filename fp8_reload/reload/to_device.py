@@ -30,9 +30,8 @@ import torch
 from .. import trace
 from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
+from ..checkpoint.values import nonfinite_flags
 from ..device import copy_async, side_stream
-from ..processing.ops import on_triton
-from ..quant import has_bad_values
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
 from .targets import Target
 
@@ -99,17 +98,15 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
     """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots;
     with `checks`, their values' flags are appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_pieces_  # needs triton: imported on use
-    from ..kernels.triton.scatter import check_values_
 
     by_unit: dict = {}
     for t in chunk.targets:
         if t.kind == "quant":
             by_unit.setdefault((t.module_name, tuple(t.slots)), {})[t.shard] = t
-    pieces, group = [], 0
+    pieces, group, checked = [], 0, []
     for shards in by_unit.values():
         views = {s: chunk.source(src, t) for s, t in shards.items()}
-        if checks is not None:  # checked now: the slot is reused by the next chunk
-            checks.append((list(shards.values()), check_values_([views[s] for s in shards])))
+        checked += [(t, views[s]) for s, t in shards.items()]
         layer = next(iter(shards.values())).module
         inter = layer.intermediate_size
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
@@ -119,6 +116,8 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
                        (views["w3"], w13[slot, inter:], group, None),
                        (views["w2"], w2[slot], group + 1, s2[slot:slot + 1])]
             group += 2
+    if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
+        checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
     quantize_pieces_(pieces)
 
 
@@ -181,19 +180,12 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
 
             with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
                 stream_through_ring(ckpt, rest, ring, land, stats)
-        flags = None
-        if check and checks and on_triton(checks[0][1]):
-            from ..kernels.triton.scatter import check_values_  # needs triton: imported on use
-
-            flags = check_values_([v for _, v in checks])
+        flags = [nonfinite_flags([v for _, v in checks])] if check and checks else []
     torch.cuda.current_stream(device).wait_stream(stream)
     if check and (checks or quant_checks):
         for targets, qflags in quant_checks or ():
             checks += [(t, None) for t in targets]
-            flags = qflags if flags is None else torch.cat([flags, qflags])
-        if flags is not None:
-            bad = flags.nonzero().flatten().tolist()  # the one read-back of the reload
-        else:  # no Triton here: one check per tensor
-            bad = [k for k, (_, v) in enumerate(checks) if has_bad_values(v)]
+            flags.append(qflags)
+        bad = torch.cat(flags).nonzero().flatten().tolist()  # the one read-back of the reload
         if bad:
             raise invalid_value(ckpt, checks[bad[0]][0].info.name, others=len(bad) - 1)

@@ -88,14 +88,15 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
                 if not isinstance(values, list):
                     values = [values]
                 samples = rec.get("samples") or [None] * len(values)
+                bench, kind = _canonical(bench, info)
                 for combo, value, smp in zip(_product(params), values, samples):
                     good = [x for x in smp or [] if x is not None and x == x]
                     row = {"machine": mdir.name, "commit": data["commit_hash"],
                            "date": data.get("date"), "run_at": run_at, "file": f.name,
                            "benchmark": bench,
                            "module": bench.split(".", 1)[0],
-                           "bench_type": info.get("type") or bench.rsplit(".", 1)[-1].split("_", 1)[0],
-                           "unit": info.get("unit", "seconds" if ".time_" in bench else ""),
+                           "bench_type": kind,
+                           "unit": "seconds" if kind == "time" else info.get("unit", ""),
                            "params": dict(zip(names, combo)),
                            "value": float("nan") if value is None else float(value),
                            "best": min(good) if good and value is not None else float("nan"),
@@ -108,7 +109,27 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
     if not commit:  # per machine, the results file of the newest run
         newest = df.groupby("machine")["run_at"].transform("max")
         df = df[df["run_at"] == newest]
-    return df.reset_index(drop=True)
+    return _one_per_figure(df).reset_index(drop=True)
+
+
+def _canonical(bench: str, info: dict) -> tuple[str, str]:
+    """(name, type) the report reads a benchmark as: `grouped`'s ``track_time_*`` (a time
+    measured in its group's process, the best sample) is the ``time_*`` of its class."""
+    head, _, method = bench.rpartition(".")
+    if method.startswith("track_time_"):
+        return f"{head}.{method[len('track_'):]}", "time"
+    return bench, info.get("type") or method.split("_", 1)[0]
+
+
+def _one_per_figure(df):
+    """Where a run has a figure from both the per-process and the grouped benchmarks
+    (a CPU run of the whole suite), the per-process one: one row per figure."""
+    grouped = df["module"] == "grouped"
+    if not grouped.any() or grouped.all():
+        return df
+    key = df["benchmark"].str.split(".", n=1).str[1] + df["params"].map(lambda p: repr(sorted(p.items())))
+    have = set((df["machine"] + key)[~grouped & df["value"].notna()])
+    return df[~(grouped & (df["machine"] + key).isin(have))]
 
 
 def machine_info(results_dir, machine: str) -> dict:

@@ -1,0 +1,77 @@
+"""The measuring half of `grouped`: every case of a group in this one process, with the
+per-process benchmarks' own classes, sampled the way asv samples them.
+
+For a ``time_*`` case: the benchmark's `setup` (which warms up: a first reload, the
+forward's JIT, the raw read), one untimed call unless the class sets
+``warmup_time = 0`` (asv's warm-up; `ProcessMoELayer` sets it: an untimed call would
+leave a processed layer), then `REPEAT` samples, each a `setup` and one timed call
+(``number = 1``) with the suite's timer (`common.TIMER`; the device synchronized around
+both, `common.synchronized`); the value is the best sample, what `fp8-reload report`
+takes from asv's samples. A ``track_*`` case: `setup`, then the method's value.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+from . import accuracy, common, forward, processing, reload
+
+REPEAT = int(os.environ.get("FP8_RELOAD_BENCH_REPEAT", "3"))
+MODULES = (reload, processing, forward, accuracy)
+
+
+def _class(name: str) -> type:
+    for mod in MODULES:
+        if hasattr(mod, name):
+            return getattr(mod, name)
+    raise LookupError(f"no benchmark class {name} in {[m.__name__ for m in MODULES]}")
+
+
+def measure_one(paths: dict, name: str, params: tuple, repeat: int = REPEAT):
+    """(status, value) of one case: ("ok", number), ("skip", why) or ("failed", traceback)."""
+    cls_name, method = name.split(".")
+    cls = _class(cls_name)
+    bench = cls()
+    args = ((paths,) if hasattr(cls, "setup_cache") else ()) + tuple(params)
+    call = getattr(bench, method)
+    setup = getattr(bench, "setup", lambda *a: None)
+    try:
+        setup(*args)
+        if method.startswith("track_"):
+            return "ok", float(call(*args))
+        if getattr(cls, "warmup_time", -1) != 0:
+            call(*args)
+        timer = getattr(cls, "timer", common.TIMER)
+        samples = []
+        for _ in range(repeat):
+            setup(*args)
+            t = timer()
+            call(*args)
+            samples.append(timer() - t)
+        return "ok", min(samples)
+    except NotImplementedError as e:
+        return "skip", str(e)
+    except Exception:  # noqa: BLE001  (recorded: the lookup fails that one benchmark in asv)
+        return "failed", traceback.format_exc()
+    finally:
+        if hasattr(bench, "teardown"):
+            bench.teardown(*args)
+
+
+def measure(cases: list[tuple[str, tuple]], paths: dict | None = None) -> dict:
+    """{(Class.method, params): (status, value)} of every case, in order. `paths`: the
+    checkpoints (default: `CheckpointSuite.setup_cache`, written or reused)."""
+    t0 = time.perf_counter()
+    paths = paths if paths is not None else common.CheckpointSuite().setup_cache()
+    print(f"grouped: checkpoints ready in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    out = {}
+    for name, params in cases:
+        t = time.perf_counter()
+        out[(name, tuple(params))] = result = measure_one(paths, name, params)
+        print(f"grouped: {name}{params}: {result[0]} in {time.perf_counter() - t:.1f} s",
+              file=sys.stderr)
+    print(f"grouped: {len(cases)} cases in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+    return out
