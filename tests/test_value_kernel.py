@@ -188,7 +188,8 @@ def test_the_kernel_compiles_for_sm90_with_vector_loads():
         "from triton.backends.compiler import GPUTarget\n"
         "from triton.compiler import ASTSource\n"
         "from fp8_reload.kernels.triton import value_check as vc\n"
-        "src = ASTSource(fn=vc._value_check_kernel, signature={'table_ptr': '*i64', 'n': 'i32',\n"
+        "src = ASTSource(fn=vc._value_check_kernel, signature={'table_ptr': '*i64', 'flag_ptr': '*i64',\n"
+        "                'n': 'i32',\n"
         "                'span': 'i32', 'BLOCK': 'constexpr'}, constexprs={'BLOCK': vc.BLOCK},\n"
         "                attrs={(0,): [['tt.divisibility', 16]]})\n"
         "print(triton.compile(src, target=GPUTarget('cuda', 90, 32)).asm['ptx'])\n")
@@ -225,3 +226,28 @@ def test_tensors_already_on_the_device_are_checked_where_they_are(monkeypatch, s
         check.add(n, t)
     assert check.first_invalid()[0] == "4.weight"
     assert copies == [] and len(launches) == 1
+
+
+def test_kept_tables_read_live_memory_and_follow_rebinds(monkeypatch):
+    """The streaming reload keeps the kernel's table of its landed views (`KeptTables`): a
+    kept table reads the tensors' memory as it is now (a value planted after the table
+    was built is found), a tensor moved to other memory or resized gets a new table, a
+    list the kernel cannot take goes through torch (in order, nothing kept), and
+    `release` drops every table."""
+    import fp8_reload.checkpoint.values as values
+
+    monkeypatch.setattr(values, "_kernel_module", lambda kernel, tensors: value_check)  # CPU: interpreter
+    tables = values.KeptTables()
+    ts = [torch.ones(1000 + 8 * i).to(DEVICE) for i in range(4)]
+    assert values.nonfinite_flags(ts, tables).tolist() == [0, 0, 0, 0]
+    ts[2][5] = float("nan")
+    assert values.nonfinite_flags(ts, tables).tolist() == [0, 0, 1, 0]
+    assert len(tables.tables) == 1  # the same table, read again
+    ts[1].data = torch.full((64,), float("inf")).to(DEVICE)  # other memory, another size
+    assert values.nonfinite_flags(ts, tables).tolist() == [0, 1, 1, 0]
+    assert len(tables.tables) == 2
+    odd = ts + [torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16).to(DEVICE)]  # 6 bytes
+    assert [bool(f) for f in values.nonfinite_flags(odd, tables).tolist()] == [False, True, True, False, True]
+    assert len(tables.tables) == 2
+    tables.release()
+    assert tables.tables == {}

@@ -150,13 +150,20 @@ def invalid_flags(named: list[tuple[str, torch.Tensor]],
     return names, flags[0] if len(flags) == 1 else torch.cat(flags)
 
 
-def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
+def nonfinite_flags(tensors: list[torch.Tensor], tables: KeptTables | None = None) -> torch.Tensor:
     """Flags in the order of `tensors` (nonzero: a NaN or infinity, an FP8 NaN encoding),
     queued where they are, nothing read back: the streaming reload's check of the values
     where they landed (it reads and checks scales on the host). One launch of the kernel
-    where it takes every tensor, else `invalid_flags`' split."""
+    where it takes every tensor (its table kept in `tables` when given), else
+    `invalid_flags`' split."""
     vc = _kernel_module(None, tensors)
-    if vc is not None and all(vc.supported(t) for t in tensors):
+    if vc is not None and tables is not None:
+        table = tables.get(tensors)
+        if table is None and all(vc.supported(t) for t in tensors):
+            table = tables.put(tensors, vc.ValueTable(tensors, [False] * len(tensors)))
+        if table is not None:
+            return table.flags()
+    elif vc is not None and all(vc.supported(t) for t in tensors):
         return vc.value_flags_(tensors, [False] * len(tensors))
     names, flags = invalid_flags([(str(i), t) for i, t in enumerate(tensors)])
     order = [int(n) for n in names]
@@ -166,6 +173,36 @@ def nonfinite_flags(tensors: list[torch.Tensor]) -> torch.Tensor:
     if order:
         out[torch.tensor(order, device=flags.device)] = flags
     return out
+
+
+class KeptTables:
+    """The kernel's tables of the lists of tensors a model's reloads check again and again
+    (the streaming reload's landed views: the same Parameter views on every first reload
+    of new files). Building a table walks every tensor; finding a kept one costs a key of
+    each tensor's address, size and dtype, a few times cheaper. A table keeps its tensors
+    (so their memory stays where it points) until `release` (`release_staging`)."""
+
+    KEEP = 4
+
+    def __init__(self):
+        self.tables: dict = {}
+
+    @staticmethod
+    def _key(tensors):
+        return (tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
+                tuple(t.dtype for t in tensors))
+
+    def get(self, tensors):
+        return self.tables.get(self._key(tensors))
+
+    def put(self, tensors, table):
+        if len(self.tables) >= self.KEEP:
+            self.tables.clear()
+        self.tables[self._key(tensors)] = table
+        return table
+
+    def release(self) -> None:
+        self.tables = {}
 
 
 def describe_invalid(name: str, t: torch.Tensor) -> str | None:

@@ -30,7 +30,7 @@ import torch
 from .. import trace
 from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
-from ..checkpoint.values import nonfinite_flags
+from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
 from .targets import Target
@@ -180,7 +180,9 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
 
             with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
                 stream_through_ring(ckpt, rest, ring, land, stats)
-        flags = [nonfinite_flags([v for _, v in checks])] if check and checks else []
+        flags = []
+        if check and checks:  # the same views every first reload: their table is kept
+            flags.append(nonfinite_flags([v for _, v in checks], holder(model, "value_tables", KeptTables)))
     torch.cuda.current_stream(device).wait_stream(stream)
     if check and (checks or quant_checks):
         for targets, qflags in quant_checks or ():

@@ -36,7 +36,7 @@ EXPONENT = {torch.float8_e4m3fn: (1, 0x7F), torch.float8_e5m2: (1, 0x7C),
 BLOCK = 2048  # words (8 KiB) per step of a program
 MAX_PROGRAMS = 1 << 15  # the owner table's length, whatever the batch's size
 # table columns: address, words, mask, low | positive << 32 | aligned << 33, first
-# program, flag; then each program's tensor
+# program; then each program's tensor
 
 
 def word_masks(dtype: torch.dtype) -> tuple[int, int]:
@@ -58,9 +58,9 @@ def supported(t: torch.Tensor, positive: bool = False) -> bool:
 
 
 @triton.jit
-def _value_check_kernel(table_ptr, n, span, BLOCK: tl.constexpr):
+def _value_check_kernel(table_ptr, flag_ptr, n, span, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
-    t = tl.load(table_ptr + 6 * n + pid)
+    t = tl.load(table_ptr + 5 * n + pid)
     words = tl.load(table_ptr + n + t)
     mask = tl.load(table_ptr + 2 * n + t).to(tl.uint32)
     code = tl.load(table_ptr + 3 * n + t)
@@ -90,47 +90,57 @@ def _value_check_kernel(table_ptr, n, span, BLOCK: tl.constexpr):
             bad |= (w.to(tl.int32, bitcast=True) <= 0).to(tl.uint32)
         acc |= bad
     if tl.max(acc, axis=0) != 0:
-        tl.store(table_ptr + 5 * n + t, 1)
+        tl.store(flag_ptr + t, 1)
+
+
+class ValueTable:
+    """The kernel's table of `supported` tensors on one device, built once (a walk over
+    every tensor: thousands per checkpoint) and launched as often as needed; it keeps the
+    tensors, so their memory stays where the table points. `positive[i]`: tensor i must
+    also be > 0 (a scale)."""
+
+    def __init__(self, tensors: list[torch.Tensor], positive: list[bool]):
+        dev = tensors[0].device if tensors else torch.device("cpu")
+        ptrs, words, masks, codes = [], [], [], []
+        for t, p in zip(tensors, positive):  # one pass: thousands of tensors per call
+            width, mask, low = _WORDS.get(t.dtype, (0, 0, 0))
+            ptr, nbytes = t.data_ptr(), t.numel() * width
+            if (not width or nbytes % 4 or ptr % 4 or t.device != dev or not t.is_contiguous()
+                    or (p and width != 4)):
+                raise ValueError(f"value_flags_: contiguous {', '.join(map(str, EXPONENT))} tensors of "
+                                 "whole aligned 32-bit words on one device (scales float32), got "
+                                 f"{t.dtype} {tuple(t.shape)} on {t.device}")
+            ptrs.append(ptr)
+            words.append(nbytes >> 2)
+            masks.append(mask)
+            codes.append(low | (bool(p) << 32) | ((ptr % 16 == 0) << 33))
+        if tensors:
+            check_device(tensors[0])
+        self.tensors, self.device, self.n = list(tensors), dev, len(tensors)
+        words = torch.tensor(words, dtype=torch.int64)
+        blocks = (words + BLOCK - 1) // BLOCK
+        self.span = BLOCK * max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # bounds the owner table
+        per = (words + self.span - 1) // self.span
+        owner = torch.repeat_interleave(torch.arange(self.n), per)
+        self.programs = owner.numel()
+        columns = torch.tensor([ptrs, masks, codes], dtype=torch.int64).view(3, -1)
+        table = torch.cat([columns[0], words, columns[1], columns[2], per.cumsum(0) - per, owner])
+        if dev.type == "cuda":  # one copy from pinned memory, which torch keeps until it ran
+            table = table.pin_memory().to(dev, non_blocking=True)
+        self.table = table
+
+    def flags(self) -> torch.Tensor:
+        """Flags (int64, one per tensor, nonzero where an invalid value was found), queued
+        on the current stream: nothing is read back."""
+        flags = torch.zeros(self.n, dtype=torch.int64, device=self.device)
+        if self.programs:
+            _value_check_kernel[(self.programs,)](self.table, flags, self.n, self.span, BLOCK=BLOCK)
+        return flags
 
 
 def value_flags_(tensors: list[torch.Tensor], positive: list[bool]) -> torch.Tensor:
-    """Flags (int64, one per tensor, nonzero where an invalid value was found) of
-    `supported` tensors on one device, in one launch; `positive[i]`: tensor i must also
-    be > 0 (a scale). Nothing is read back: the caller reads the flags once, at the end.
-
-    The table and the zeroed flags travel in one host-to-device copy; the flags are a
-    view of that table."""
-    if not tensors:
-        return torch.zeros(0, dtype=torch.int64)
-    dev = tensors[0].device
-    n = len(tensors)
-    ptrs, words, masks, codes = [], [], [], []
-    for t, p in zip(tensors, positive):  # one pass: thousands of tensors per call
-        width, mask, low = _WORDS.get(t.dtype, (0, 0, 0))
-        ptr, nbytes = t.data_ptr(), t.numel() * width
-        if (not width or nbytes % 4 or ptr % 4 or t.device != dev or not t.is_contiguous()
-                or (p and width != 4)):
-            raise ValueError(f"value_flags_: contiguous {', '.join(map(str, EXPONENT))} tensors of whole "
-                             f"aligned 32-bit words on one device (scales float32), got {t.dtype} "
-                             f"{tuple(t.shape)} on {t.device}")
-        ptrs.append(ptr)
-        words.append(nbytes >> 2)
-        masks.append(mask)
-        codes.append(low | (bool(p) << 32) | ((ptr % 16 == 0) << 33))
-    check_device(tensors[0])
-    words = torch.tensor(words, dtype=torch.int64)
-    blocks = (words + BLOCK - 1) // BLOCK
-    span = BLOCK * max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # bounds the owner table
-    per = (words + span - 1) // span
-    owner = torch.repeat_interleave(torch.arange(n), per)
-    columns = torch.tensor([ptrs, masks, codes], dtype=torch.int64)
-    table = torch.cat([columns[0], words, columns[1], columns[2], per.cumsum(0) - per,
-                       torch.zeros(n, dtype=torch.int64), owner])
-    if dev.type == "cuda":  # one copy from pinned memory, which torch keeps until it ran
-        table = table.pin_memory().to(dev, non_blocking=True)
-    if owner.numel():
-        _value_check_kernel[(owner.numel(),)](table, n, span, BLOCK=BLOCK)
-    return table[5 * n:6 * n]
+    """`ValueTable(tensors, positive).flags()`: one launch for a batch, checked once."""
+    return ValueTable(tensors, positive).flags()
 
 
-__all__ = ["BLOCK", "EXPONENT", "MAX_PROGRAMS", "supported", "value_flags_", "word_masks"]
+__all__ = ["BLOCK", "EXPONENT", "MAX_PROGRAMS", "ValueTable", "supported", "value_flags_", "word_masks"]
