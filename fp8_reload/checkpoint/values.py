@@ -7,23 +7,14 @@ checkpoint is quantized on load: one inf becomes an inf scale and a zeroed
 expert), in a router or a norm, and scales that are not finite and positive.
 The reload refuses them with `InvalidTensorError`, before anything is written.
 
-Why it is cheap: each tensor costs reductions, never an elementwise temporary.
-
-* FP8: a NaN/inf byte is one whose exponent bits are all ones, i.e. at or above a
-  threshold in the int8 view (positive values) or in the uint8 view (negative
-  ones): for e4m3fn ``max(int8) == 0x7f or max(uint8) == 0xff``;
-* floats: max |x| (GPU, one multi-tensor kernel) or min and max (CPU), which NaN
-  and +-inf propagate to;
-* scales (``*_scale``): gathered into one vector, finite and > 0.
-
-Reductions of many tensors go through `torch._foreach_*` where torch has them
-(one kernel for a whole batch on a GPU, instead of one launch per tensor). That
-is still a few launches per dtype group, per tensor for the scales: ~50 ms for a
-1.74 GB checkpoint on an H200 (launch-bound). So on a CUDA device where Triton
-runs, a batch is checked by one launch instead (`kernels.triton.value_check`: every
-tensor, dtype and rule at once, from raw bits); the torch reductions stay for CPU,
-for GPUs without Triton and for what the kernel does not take (float64,
-non-contiguous). Both flag exactly the same tensors (`tests/test_value_kernel.py`).
+Why it is cheap: on a CUDA device where Triton runs, one launch checks a whole batch
+from raw bits at HBM speed (`kernels.triton.value_check`; the streaming reload keeps its
+table for the views it checks on every first reload, `KeptTables`). Elsewhere (CPU,
+GPUs without Triton, float64, non-contiguous tensors) torch reductions do, never an
+elementwise temporary: an FP8 NaN/inf byte is at or above a threshold in the int8 view
+(positive values) or the uint8 view (negative ones); NaN and +-inf carry through max
+|x| (`torch._foreach_norm`) or min and max; scales are gathered into one vector, finite
+and > 0. Both flag exactly the same tensors (`tests/test_value_kernel.py`).
 
 Where it runs: `ValueCheck(device)` checks on `device`. A GPU reload stages
 tensors in pinned host memory; the check copies them, batch by batch, into one

@@ -61,9 +61,9 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
 
     meta = {}
     for root in result_dirs(results_dir)[::-1]:  # the first directory's descriptions win
-        if (root / "benchmarks.json").exists():
-            meta.update({k: v for k, v in _load_json(root / "benchmarks.json").items()
-                         if isinstance(v, dict)})
+        # benchmarks.json, and beside it those of other machines' suites (benchmarks-h200.json)
+        for described in sorted(root.glob("benchmarks*.json"), reverse=True):
+            meta.update({k: v for k, v in _load_json(described).items() if isinstance(v, dict)})
     rows = []
     for name, mdir in sorted(machine_dirs(results_dir).items()):
         if machine and name != machine:
