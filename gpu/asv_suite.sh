@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The asv suite on the H200: every figure of the report on a v2-lite slice (benchmarks/grouped.py:
-# 2 measuring processes + 44 light lookups), the report, the headline ratios against their targets.
+# 2 measuring processes + 48 light lookups), the report, the headline ratios against their targets.
 #
-#   bash gpu/asv_suite.sh                 # from the repo root; ~3-4 minutes (estimate) with warm JIT caches
+#   bash gpu/asv_suite.sh                 # from the repo root; ~2.5 minutes on a fresh H200
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
@@ -10,10 +10,9 @@
 # Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
 # H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection
 # took 435 s of asv (45 processes; results/h200/asv-suite/). benchmarks/grouped.py measures
-# the same 44 figures in 2 processes (one per group: reload + post-processing, forward;
-# each checkpoint's model loaded once) and hands them to asv through 44 lookup processes
-# that import no torch. Estimate (not yet measured): asv ~95-150 s, the whole script
-# ~3-4 min with warm JIT caches (a cold DeepGEMM cache adds 2-3 min once).
+# the figures (48 now) in 2 processes (one per group: reload + post-processing, forward;
+# each checkpoint's model loaded once) and hands them to asv through one lookup process each
+# that import no torch. Measured on fresh H200s: 144 s and 150 s in all (asv 90-94 s).
 # Results: $OUT/asv/<machine>/*.json (+ benchmarks.json) -> commit them as results/asv/,
 #          $OUT/report/ (headline.md/csv, forward.csv, PNG plots), $OUT/*.log.
 set -uo pipefail
