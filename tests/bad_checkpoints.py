@@ -661,3 +661,17 @@ CASES: list[BadCase] = [
 
 def weight_name_filter(case: BadCase):
     return None if case.layer_experts is None else fr.generate_weight_name_filter(case.layer_experts)
+
+
+def random_finite_fp8(n: int, g, dtype):
+    """`n` random FP8 values of `dtype` with no non-finite byte among them (the tests plant
+    those themselves): bytes drawn uniformly, those at or past the non-finite thresholds
+    moved 8 below them."""
+    import torch
+
+    from fp8_reload.checkpoint.values import FP8_NONFINITE
+
+    pos, neg = FP8_NONFINITE[dtype]
+    raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.int32)
+    raw = torch.where((raw >= neg) | ((raw < 128) & (raw >= pos)), raw - 8, raw)
+    return raw.to(torch.uint8).view(dtype)

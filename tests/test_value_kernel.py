@@ -22,6 +22,8 @@ from hypothesis import strategies as st
 
 from fp8_reload.checkpoint.values import FP8_NONFINITE, ValueCheck, invalid_flags
 
+from .bad_checkpoints import random_finite_fp8
+
 pytest.importorskip("triton", reason="triton not installed (pip install triton)")
 from fp8_reload.kernels.triton import value_check  # noqa: E402
 
@@ -60,10 +62,7 @@ def tensors(draw):
     n = draw(st.sampled_from(SIZES))
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     if dtype in FP8_NONFINITE:  # random finite bytes (non-finite ones planted below)
-        pos, neg = FP8_NONFINITE[dtype]
-        raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.int32)
-        raw = torch.where((raw >= neg) | ((raw < 128) & (raw >= pos)), raw - 8, raw)
-        t = raw.to(torch.uint8).view(dtype)
+        t = random_finite_fp8(n, g, dtype)
     else:  # positive, so that a scale is valid until something is planted
         t = (torch.rand(n, generator=g) * draw(st.sampled_from([1e-3, 1.0, 1e4])) + 1e-3).to(dtype)
     for _ in range(draw(st.integers(0, 3)) if n else 0):

@@ -36,6 +36,7 @@ from fp8_reload.checkpoint.values import (
     invalid_flags,
 )
 
+from .bad_checkpoints import random_finite_fp8
 from .conftest import Hang, time_limit
 
 SCALE = float(os.environ.get("FP8_RELOAD_FUZZ_SCALE", "1"))
@@ -62,10 +63,7 @@ def tensors(draw):
         n *= d
     g = torch.Generator().manual_seed(draw(st.integers(0, 2**31)))
     if dtype in FP8_NONFINITE:  # random finite bytes (non-finite ones planted below)
-        pos, neg = FP8_NONFINITE[dtype]
-        raw = torch.randint(0, 256, (n,), generator=g, dtype=torch.int32)
-        raw = torch.where((raw >= neg) | ((raw < 128) & (raw >= pos)), raw - 8, raw)
-        t = raw.to(torch.uint8).view(dtype)
+        t = random_finite_fp8(n, g, dtype)
     elif dtype == torch.int64:
         t = torch.randint(-9, 9, (n,), generator=g)
     else:
