@@ -248,5 +248,9 @@ def test_kept_tables_read_live_memory_and_follow_rebinds(monkeypatch):
     odd = ts + [torch.tensor([1.0, float("nan"), 1.0], dtype=torch.bfloat16).to(DEVICE)]  # 6 bytes
     assert [bool(f) for f in values.nonfinite_flags(odd, tables).tolist()] == [False, True, True, False, True]
     assert len(tables.tables) == 2
+    base = torch.zeros(4, 8, dtype=torch.bfloat16).to(DEVICE)  # helper 11's case: a strided
+    assert not values.nonfinite_flags([base[:2].reshape(-1)], tables).any()  # tensor of the same
+    base[3, 0] = float("nan")  # address, size and dtype as a kept contiguous one gets its own check
+    assert values.nonfinite_flags([base[:, :4]], tables).tolist() == [True]
     tables.release()
     assert tables.tables == {}

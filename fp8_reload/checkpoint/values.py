@@ -157,6 +157,8 @@ def nonfinite_flags(tensors: list[torch.Tensor], tables: KeptTables | None = Non
     elif vc is not None and all(vc.supported(t) for t in tensors):
         return vc.value_flags_(tensors, [False] * len(tensors))
     names, flags = invalid_flags([(str(i), t) for i, t in enumerate(tensors)])
+    if not names:  # nothing to check (integers, empty tensors): no flag, where they are
+        return torch.zeros(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
     order = [int(n) for n in names]
     if order == list(range(len(tensors))):
         return flags
@@ -173,15 +175,17 @@ class KeptTables:
     each tensor's address, size and dtype, a few times cheaper. A table keeps its tensors
     (so their memory stays where it points) until `release` (`release_staging`)."""
 
-    KEEP = 4
+    KEEP = 2  # RL's two alternating checkpoints land on the same views: one table
 
     def __init__(self):
         self.tables: dict = {}
 
     @staticmethod
     def _key(tensors):
+        # a contiguous tensor of this address, size and dtype covers exactly the bytes the
+        # table reads; a strided one with the same three does not
         return (tuple(map(torch.Tensor.data_ptr, tensors)), tuple(map(torch.Tensor.numel, tensors)),
-                tuple(t.dtype for t in tensors))
+                tuple(t.dtype for t in tensors), tuple(map(torch.Tensor.is_contiguous, tensors)))
 
     def get(self, tensors):
         return self.tables.get(self._key(tensors))
