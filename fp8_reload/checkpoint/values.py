@@ -148,14 +148,14 @@ def nonfinite_flags(tensors: list[torch.Tensor], tables: KeptTables | None = Non
     where it takes every tensor (its table kept in `tables` when given), else
     `invalid_flags`' split."""
     vc = _kernel_module(None, tensors)
-    if vc is not None and tables is not None:
-        table = tables.get(tensors)
+    if vc is not None:
+        table = tables.get(tensors) if tables is not None else None
         if table is None and all(vc.supported(t) for t in tensors):
-            table = tables.put(tensors, vc.ValueTable(tensors, [False] * len(tensors)))
+            table = vc.ValueTable(tensors, [False] * len(tensors))
+            if tables is not None:
+                tables.put(tensors, table)
         if table is not None:
             return table.flags()
-    elif vc is not None and all(vc.supported(t) for t in tensors):
-        return vc.value_flags_(tensors, [False] * len(tensors))
     names, flags = invalid_flags([(str(i), t) for i, t in enumerate(tensors)])
     if not names:  # nothing to check (integers, empty tensors): no flag, where they are
         return torch.zeros(len(tensors), dtype=torch.bool, device=tensors[0].device if tensors else None)
@@ -194,7 +194,6 @@ class KeptTables:
         if len(self.tables) >= self.KEEP:
             self.tables.clear()
         self.tables[self._key(tensors)] = table
-        return table
 
     def release(self) -> None:
         self.tables = {}
