@@ -131,13 +131,16 @@ class RebalancePlan:
                              "'hybrid' or 'disk'")
         single = need & (n_cand == 1)
         source[single] = peer[single].int().argmax(1)
+        multi = (need & (n_cand > 1)).nonzero().flatten().tolist()
+        if not multi:  # (always so with 2 ranks) no choice to balance
+            return source
         served_before = torch.zeros(n_items, n_ranks, dtype=torch.long)
         served_before[single, source[single]] = 1
-        served_before = (served_before.cumsum(0) - served_before).tolist()
+        served_before = (served_before.cumsum(0) - served_before)[multi].tolist()
         extra = [0] * n_ranks
-        for i in (need & (n_cand > 1)).nonzero().flatten().tolist():
+        for j, i in enumerate(multi):
             cands = peer[i].nonzero().flatten().tolist()
-            src = min(cands, key=lambda k: (served_before[i][k] + extra[k], k))
+            src = min(cands, key=lambda k: (served_before[j][k] + extra[k], k))
             extra[src] += 1
             source[i] = src
         return source
@@ -146,5 +149,3 @@ class RebalancePlan:
         parts = [f"r{p.rank}: {p.slots_changed} slots, {p.count('local')} local / "
                  f"{p.count('peer')} p2p / {p.count('disk')} disk" for p in self.ranks]
         return f"[{self.mode}] " + "; ".join(parts)
-
-

@@ -373,4 +373,3 @@ def _restore(model, layers, backup, old: Placement, rank: int) -> None:
             layer.weights_version += 1
     clear_kernel_caches(model)
     synchronize(model)
-

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from ..kernels.registry import triton_unavailable
-from ..quant import amax_scale, index_copy_, quantize_static, requantize
+from ..quant import FP8_DTYPE, amax_scale, index_copy_, quantize_static, requantize
 
 # Bound on float32 temporaries while (re)quantizing experts: experts are
 # processed in chunks of at most this many bytes of float32.
@@ -168,14 +168,13 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
     for s in slots:
         if any(t.numel() != numel or not t.is_contiguous() for t in staged[s].values()):
             raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size")
-    on_device = all(t.is_cuda for s in slots for t in staged[s].values())
-    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    on_device = all(t.device == w13.device for s in slots for t in staged[s].values())
     b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), w13_scale.data_ptr(), w2_scale.data_ptr()
     e13, e2, f13, f2 = w13.stride(0), w2.stride(0), 4 * w13_scale.stride(0), 4 * w2_scale.stride(0)
     cols = w13_scale.numel() // w13_scale.shape[0]
-    for lo in range(0, len(slots), step):
+    for idx in chunks(torch.tensor(slots), 0 if on_device else 3 * numel * 2):
         src, dst, groups, scales, copies = [], [], [], [], []
-        for k, s in enumerate(slots[lo:lo + step]):
+        for k, s in enumerate(idx.tolist()):
             pieces = staged[s]
             if not on_device:  # kept (`copies`) until the kernels are queued behind them
                 pieces = {n: t.to(w13.device, non_blocking=True) for n, t in pieces.items()}
@@ -201,7 +200,9 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
         return
     inter = w13.shape[1] // 2
     pieces_of = [t for s in slots for t in staged[s].values()]
+    # the address path assumes 1-byte FP8 weights and float32 scales (its byte offsets)
     if (on_triton(w13) and all(t.dtype == torch.bfloat16 for t in pieces_of)
+            and w13.dtype == w2.dtype == FP8_DTYPE and w13_scale.dtype == w2_scale.dtype == torch.float32
             and all(t.is_contiguous() for t in (w13, w13_scale, w2, w2_scale))):
         quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots)
         return

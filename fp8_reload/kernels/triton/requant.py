@@ -22,7 +22,7 @@ import torch
 
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
-from .runtime import INTERPRET, check_device, tl, triton
+from .runtime import INTERPRET, check_device, device_ints, tl, triton
 
 BLOCK = 4096  # elements per program of the elementwise passes
 EXACT = INTERPRET
@@ -134,15 +134,6 @@ def _piece_quant_kernel(src_ptr, dst_ptr, gstart_ptr, gcount_ptr, scale_dst_ptr,
         tl.store(out + c, tl.zeros([2], tl.float32) + scale, mask=c < cols)
 
 
-def device_ints(values, device) -> torch.Tensor:
-    """A small host list as a device tensor without waiting for the device: the copy
-    leaves from pinned memory, which torch keeps until the copy has run."""
-    host = torch.tensor(list(values), dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
-
-
 def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[int],
                     input_scales=None) -> None:
     """`processing.ops.requantize_w13_to_expert_max_` (plus `merge_input_scales_` of
@@ -217,4 +208,4 @@ def quantize_pointers_(device, numel: int, src: list[int], dst: list[int], group
                               nblocks, INV_FP8_MAX, MIN_SCALE, BLOCK=BLOCK, RBLOCK=1024, EXACT=EXACT)
 
 
-__all__ = ["device_ints", "quantize_pieces_", "quantize_pointers_", "requantize_w13_"]
+__all__ = ["quantize_pieces_", "quantize_pointers_", "requantize_w13_"]

@@ -51,3 +51,12 @@ def pow2(n: int, lo: int = 16, hi: int = 128) -> int:
 def launch_opts(cfg: dict) -> dict:
     """Compile options of a tile config; the interpreter takes none."""
     return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def device_ints(values, device) -> torch.Tensor:
+    """Small host integers (a list, or an int64 tensor) as a device tensor without waiting
+    for the device: the copy leaves from pinned memory, which torch keeps until it ran."""
+    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.int64)
+    if torch.device(device).type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)

@@ -6,8 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from .requant import device_ints
-from .runtime import check_device, tl, triton
+from .runtime import check_device, device_ints, tl, triton
 
 
 @triton.jit

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import check_device, tl, triton
+from .runtime import check_device, device_ints, tl, triton
 
 # dtype -> (bytes per element, exponent bits of one element)
 EXPONENT = {torch.float8_e4m3fn: (1, 0x7F), torch.float8_e5m2: (1, 0x7C),
@@ -125,9 +125,7 @@ class ValueTable:
         self.programs = owner.numel()
         columns = torch.tensor([ptrs, masks, codes], dtype=torch.int64).view(3, -1)
         table = torch.cat([columns[0], words, columns[1], columns[2], per.cumsum(0) - per, owner])
-        if dev.type == "cuda":  # one copy from pinned memory, which torch keeps until it ran
-            table = table.pin_memory().to(dev, non_blocking=True)
-        self.table = table
+        self.table = device_ints(table, dev)  # one copy
 
     def flags(self) -> torch.Tensor:
         """Flags (int64, one per tensor, nonzero where an invalid value was found), queued
