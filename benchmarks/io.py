@@ -19,8 +19,6 @@ limits are skipped where they do not apply (filtered). CUDA only: on CPU every c
 
 from __future__ import annotations
 
-import os
-
 import fp8_reload as fr
 
 from .common import KINDS, ON_CUDA, PRESETS, CheckpointSuite, checkpoint_key, requires_cuda, synchronized
@@ -93,9 +91,7 @@ class IOPaths(CheckpointSuite):
 
                 if "registered" in held(self.model):
                     held(self.model)["registered"].release()
-                for f in self.files:
-                    st = os.stat(f)
-                    os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+                _io_paths().touch(self.files)
             _io_paths().evict(self.files)
         self.run()
 

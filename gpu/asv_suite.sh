@@ -70,9 +70,8 @@ EOF
 # JIT caches compile; asv's setup_cache then finds them in FP8_RELOAD_BENCH_DIR.
 $PY -c "
 import time; t = time.perf_counter()
-from pathlib import Path
-from benchmarks.common import KINDS, write_checkpoints
-write_checkpoints(Path('$FP8_RELOAD_BENCH_DIR'), kinds=list(dict.fromkeys(KINDS + ['fp8'])))
+from benchmarks.common import CheckpointSuite
+CheckpointSuite().setup_cache()  # what asv's setup_cache will find
 print(f'written or reused in {time.perf_counter() - t:.1f}s')" > "$OUT/checkpoints.log" 2>&1 &
 CKPT_PID=$!
 

@@ -42,13 +42,6 @@ def timed(fn, repeat=1):
     return statistics.median(times), out
 
 
-def touch(files):
-    """New stamps (as a rewritten checkpoint has): the next reload is a first reload."""
-    for f in files:
-        st = os.stat(f)
-        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
-
-
 def one_per_layer(cfg):
     return fr.generate_weight_name_filter({layer: [0] for layer in cfg.moe_layers})
 
@@ -107,7 +100,7 @@ def run_checkpoint(path, label, rows, whole=False):
     transaction.ENGINE = "stream"
     firsts = []
     for _ in range(3):
-        touch(files)
+        io_paths.touch(files)
         s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
         firsts.append((s, rep))
     s, rep = sorted(firsts, key=lambda x: x[0])[1]
@@ -133,7 +126,7 @@ def run_checkpoint(path, label, rows, whole=False):
     # cold: files evicted (registrations released first: pinned pages cannot be dropped)
     if "registered" in held(model):
         held(model)["registered"].release()
-    touch(files)
+    io_paths.touch(files)
     io_paths.evict(files)
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
     row("COLD fp8-reload streaming (buffered reads + readahead)", s, rep.bytes_read, phases=phases(rep))

@@ -122,15 +122,21 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 
 
 def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
-          quant_checks) -> None:
+          quant_checks, gather: bool = False) -> None:
     """Queue the copies of one chunk out of `buf` (pinned or registered host memory) on
     the current stream (the copy stream): the whole chunk in one host-to-device copy into
     the device slot (one DMA runs at the link's speed; hundreds of tensor-sized ones from
     page-cache pages do not), then each tensor from there to its place at memory speed.
-    Only those device-to-device copies wait for the modules' backups."""
+    Only those device-to-device copies wait for the modules' backups. `gather`: `buf` is
+    the chunk's whole (registered) file, and each span is copied from its file offset:
+    the gaps between the spans of a filtered reload are not moved."""
     stream = torch.cuda.current_stream(device)
     dslot = slot.get(chunk.extent, device)[:chunk.extent]
-    copy_async(dslot, buf[:chunk.extent], stream)
+    if gather:
+        for off, n, at in chunk.spans:
+            copy_async(dslot[at:at + n], buf[off:off + n], stream)
+    else:
+        copy_async(dslot, buf[:chunk.extent], stream)
     for t in chunk.targets:
         if t.kind != "copy":
             continue
@@ -163,10 +169,14 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
         with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c in direct)):
             for chunk in direct:
                 reg = registered[chunk.file]
-                # the chunk's spans, in the registered file: one window covers them all
                 start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
-                shifted = Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans])
-                _land(shifted, reg.view[start:end], slot, device, writable, checks, quant_checks)
+                # one DMA of the window where its gaps are small (a full reload's: the scales
+                # read before the lock); a filtered reload's are mostly gaps: the spans alone
+                if end - start <= chunk.extent + chunk.extent // 8:
+                    _land(Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
+                          reg.view[start:end], slot, device, writable, checks, quant_checks)
+                else:
+                    _land(chunk, reg.view, slot, device, writable, checks, quant_checks, gather=True)
                 stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
         rest = [c for c in chunks if c.file not in registered]
         if rest:

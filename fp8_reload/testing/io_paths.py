@@ -36,6 +36,14 @@ def shard_files(path) -> list[str]:
     return [str(ckpt.path / f) for f in sorted(set(ckpt.weight_map.values()))]
 
 
+def touch(files) -> None:
+    """New stamps for `files` (as a rewritten checkpoint has): the next reload of them is a
+    first reload (parsed, planned, values checked, nothing registered)."""
+    for f in files:
+        st = os.stat(f)
+        os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+
+
 def evict(files) -> None:
     """Drop `files` from the page cache (pages pinned by someone are kept by the kernel)."""
     for f in files:
