@@ -243,3 +243,28 @@ def test_a_fresh_load_leaves_its_parse_and_plan_to_the_first_reload(ckpts, monke
     report = fr.update_weights_from_disk(model, ckpts["fp8", 0])
     assert report.tensors_loaded == len(fr.Checkpoint(ckpts["fp8", 0]).names)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+
+def test_what_a_kept_full_plan_derives_is_kept_with_it(ckpts):
+    """A repeated full reload reuses its kept plan, and with it what the reload derives
+    from the plan's names (the slots its backup covers, the modules' order, the experts
+    it reports); experts moved to other slots replan, and derive anew."""
+    from fp8_reload.reload.plan import target_cache
+
+    model = fr.load_model(ckpts["fp8", 0])
+    first = fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    first.experts_reloaded[1].clear()  # the report's own copy: the kept one is untouched
+    again = fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert again.experts_reloaded == {layer: list(range(8)) for layer in again.experts_reloaded}
+    cache = target_cache(model)
+    (kept_names, derived), = cache.derived.values()
+    assert set(derived) == {"backup_slots", "order", "experts"}
+    assert any(kept[0] is kept_names for kept in cache.full.values())
+    for _, layer in model.moe_layers():
+        layer.expert_slots = {e: [(e + 3) % 8] for e in range(8)}
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # replanned: another names list
+    assert len(cache.derived) == 1
+    assert all(names is not kept_names for names, _ in cache.derived.values())
+    moved = {e: [(e + 3) % 8] for e in range(8)}
+    expected = fr.load_model(ckpts["fp8", 1], expert_slots=lambda layer_id: moved)
+    assert fr.compare_states(fr.snapshot(expected), fr.snapshot(model)) == []

@@ -183,19 +183,25 @@ def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
 
 
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
-                   order: list[str] | None = None, stream=None, start: bool = True) -> Backup:
+                   order: list[str] | None = None, stream=None, start: bool = True,
+                   memo: dict | None = None) -> Backup:
     """Back up what a reload of `names` may change. `order` (module names) is the order
     the commit writes modules in, so that with `stream` the first backups finish first.
     With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
     streaming reload starts them once forwards have drained, so that waiting for the
-    forwards does not also wait for the backup)."""
-    slots: dict[str, set[int]] = {}
+    forwards does not also wait for the backup). `memo`: where the slots of a kept plan's
+    `names` are kept (`TargetCache.derived_of`)."""
     modules = modules_by_name(model)
-    for n in names:
-        _, module_name, kw = model.resolve(n)
-        s = slots.setdefault(module_name, set())
-        if "expert_id" in kw:
-            s.update(modules[module_name].local_slots(kw["expert_id"]))
+    slots: dict[str, set[int]] | None = None if memo is None else memo.get("backup_slots")
+    if slots is None:
+        slots = {}
+        for n in names:
+            _, module_name, kw = model.resolve(n)
+            s = slots.setdefault(module_name, set())
+            if "expert_id" in kw:
+                s.update(modules[module_name].local_slots(kw["expert_id"]))
+        if memo is not None:
+            memo["backup_slots"] = slots
     backup = Backup(where)
     targets = set(slots)
     if process_all:

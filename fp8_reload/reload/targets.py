@@ -98,13 +98,30 @@ class TargetCache:
         self.version = 0
         # Planned -> (names, targets, version) of a full streaming reload (reload/plan.py)
         self.full: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self.derived: dict[int, tuple[list, dict]] = {}  # id(names) -> (names, derived_of)
 
     def release(self) -> None:
         """Forget every target and kept plan (views of Parameter memory); the next
         reload works them out again."""
         self.modules.clear()
         self.full.clear()
+        self.derived.clear()
         self.version += 1
+
+    def derived_of(self, names: list[str]) -> dict:
+        """Where to keep what a reload derives from a kept full plan's `names` (the slots
+        its backup covers, the experts it reloads): the plan is reused only while its
+        modules and expert maps are unchanged, and so is what is derived from it. Any
+        other list gets a dict of its own, not kept."""
+        entry = self.derived.get(id(names))
+        if entry is not None and entry[0] is names:  # (the entry holds the list: its id is its own)
+            return entry[1]
+        live = {id(kept[0]) for kept in self.full.values()}
+        if id(names) not in live:
+            return {}
+        self.derived = {k: v for k, v in self.derived.items() if k in live}  # plans replaced: gone
+        self.derived[id(names)] = (names, {})
+        return self.derived[id(names)][1]
 
     def module_targets(self, model, name: str, checked: dict[str, dict]) -> dict:
         """{name: Target or None} of the module of tensor `name`, its state checked once

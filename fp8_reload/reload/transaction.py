@@ -54,6 +54,7 @@ from .plan import (
     plan_reload,
     remember_checkpoint,
     stage,
+    target_cache,
 )
 from .stream import commit, prepare
 
@@ -201,11 +202,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
                     report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+            # what derives from a kept full plan is kept with it
+            memo = target_cache(model).derived_of(names) if streaming else {}
             with timer.phase("backup"):
-                order = list(dict.fromkeys(t.module_name for t in targets)) if streaming else None
-                saved = capture_backup(model, names, process_all, backup, order=order,
+                if streaming and "order" not in memo:
+                    memo["order"] = list(dict.fromkeys(t.module_name for t in targets))
+                saved = capture_backup(model, names, process_all, backup, order=memo.get("order"),
                                        stream=side_stream(device, "backup") if streaming and cuda else None,
-                                       start=not streaming)
+                                       start=not streaming, memo=memo)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:
@@ -264,7 +268,9 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     report.tensors_loaded = len(names) if streaming else len(staged)
     report.bytes_read = stats.get("bytes_read", 0)
     report.files_opened = stats.get("files_opened", 0)
-    report.experts_reloaded = experts_by_layer(names if streaming else (n for n, _ in staged))
+    if "experts" not in memo:
+        memo["experts"] = experts_by_layer(names if streaming else (n for n, _ in staged))
+    report.experts_reloaded = {layer: list(ids) for layer, ids in memo["experts"].items()}
     report.seconds["total"] = time.perf_counter() - t0
     model.checkpoint_path = ckpt.path
     return report
