@@ -36,7 +36,7 @@ from .header import (
     parse_json,
 )
 from .layout import INDEX_FILE, SINGLE_FILE
-from .staging import READ_THREADS, aligned, reader_threads
+from .staging import READ_THREADS, aligned, reader_pool
 
 
 def open_shard(fpath: Path):
@@ -351,8 +351,9 @@ class Checkpoint:
                 return
             futures = []
             try:
-                with reader_threads() as pool:
-                    futures += [pool.submit(work, k) for k in range(len(infos))]
+                pool = reader_pool()
+                for k in range(len(infos)):  # (one by one: a failed submit leaves the others waited for)
+                    futures.append(pool.submit(work, k))
                 for info, future in zip(infos, futures):
                     tensor = future.result()
                     stats["bytes_read"] += info.nbytes

@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 
 import torch
 
@@ -28,10 +26,9 @@ _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, poo
 _pool_lock = threading.Lock()
 
 
-@contextmanager
-def reader_threads() -> Iterator[ThreadPoolExecutor]:
-    """The `READ_THREADS` reader threads every reload shares (leaving the block does not
-    stop them; the caller waits for what it submitted). Started once per process:
+def reader_pool() -> ThreadPoolExecutor:
+    """The `READ_THREADS` reader threads every reload shares (never shut down; a caller
+    waits for what it submitted). Started once per process:
     starting them anew per reload costs a reload of a few experts more than its reads.
     A forked child starts its own (the parent's threads do not exist there)."""
     global _pool
@@ -39,8 +36,7 @@ def reader_threads() -> Iterator[ThreadPoolExecutor]:
         if _pool is None or _pool[0] != os.getpid():
             _pool = (os.getpid(), ThreadPoolExecutor(max(1, READ_THREADS),
                                                      thread_name_prefix="fp8_reload-reader"))
-        pool = _pool[1]
-    yield pool
+        return _pool[1]
 
 
 def _align(n: int) -> int:

@@ -24,7 +24,7 @@ import torch
 
 from .. import trace
 from ..checkpoint.reader import Checkpoint, open_shard, read_span
-from ..checkpoint.staging import held, reader_threads
+from ..checkpoint.staging import held, reader_pool
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
 from .targets import Target
@@ -224,22 +224,26 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
         for f in sorted({c.file for c in chunks}):  # still the parsed files (Checkpoint.open_shard)
             handles[f], _ = ckpt.open_shard(f)
         stats["files_opened"] = stats.get("files_opened", 0) + len(handles)
-        with reader_threads() as pool:
-            pending = {k: submit(pool, k) for k in range(min(slots, len(chunks)))}
-            try:
-                for k, chunk in enumerate(chunks):
-                    with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
-                        for f in pending[k]:
-                            f.result()
-                        del pending[k]  # kept until read whole: a failure waits for its other pieces
-                    slot = k % slots
-                    ring.events[slot] = land(chunk, ring.buffers[slot])
-                    stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
-                    if k + slots < len(chunks):
-                        pending[k + slots] = submit(pool, k + slots)
-            finally:  # a failure: let the reads in flight finish before their buffers go
-                for fs in pending.values():
-                    wait(fs)
+        pool = reader_pool()
+        pending: dict[int, list] = {}
+        try:
+            for k in range(min(slots, len(chunks))):
+                pending[k] = submit(pool, k)
+            for k, chunk in enumerate(chunks):
+                with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
+                    for f in pending[k]:
+                        f.result()
+                    del pending[k]  # kept until read whole: a failure waits for its other pieces
+                slot = k % slots
+                ring.events[slot] = land(chunk, ring.buffers[slot])
+                stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
+                if k + slots < len(chunks):
+                    pending[k + slots] = submit(pool, k + slots)
+        finally:  # a failure: reads not started are dropped, those in flight finish
+            for fs in pending.values():  # before their buffers go
+                for f in fs:
+                    f.cancel()
+                wait(fs)
     finally:
         for h in handles.values():
             h.close()
