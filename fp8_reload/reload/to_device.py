@@ -36,6 +36,7 @@ from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_
 from .targets import Target
 
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
+WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 
 
 def _register_budget() -> int:
@@ -172,7 +173,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
                 start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
                 # one DMA of the window where its gaps are small (a full reload's: the scales
                 # read before the lock); a filtered reload's are mostly gaps: the spans alone
-                if end - start <= chunk.extent + chunk.extent // 8:
+                if end - start <= chunk.extent + chunk.extent // WINDOW_SLACK:
                     _land(Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
                           reg.view[start:end], slot, device, writable, checks, quant_checks)
                 else:
