@@ -259,3 +259,51 @@ def test_scales_landing_on_one_address_keep_the_last_in_file_order(device):
                for k, v in enumerate(views)]
     _write_scalars(targets, [float(k) for k in range(64)])
     assert dst.tolist() == [60.0, 61.0, 62.0, 63.0]
+
+
+def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, monkeypatch):
+    """With a stream, a FusedMoE's slots are copied a piece at a time in the order the
+    commit writes them (then any others), each piece both weights, its slots named on its
+    last copy: each write waits for its own piece, not for the whole layer."""
+    import fp8_reload.reload.backup as backup_mod
+
+    model = fr.load_model(ckpts["fp8", 0])
+    layer = next(m for _, m in model.named_modules() if isinstance(m, fr.FusedMoE))
+    w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+    per_slot = w13[0].numel() * w13.element_size() + w2[0].numel() * w2.element_size()
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 2 * per_slot)  # two slots a piece
+    assert layer.num_local_experts == 8
+    backup = backup_mod.Backup()
+    backup.slot_order[id(layer)] = [5, 4, 0, 1, 7]  # the rest (2, 3, 6) come after, in order
+    copies = backup._pieces(layer, [w13, w2], None)
+    assert [ends for *_, ends in copies if ends] == [[4, 5], [0, 1], [2, 7], [3, 6]]
+    # each piece: both weights, one copy per run of adjacent slots
+    assert [(t is w13, run) for _, t, run, _ in copies] == [
+        (True, (4, 6)), (False, (4, 6)), (True, (0, 2)), (False, (0, 2)),
+        (True, (2, 3)), (True, (7, 8)), (False, (2, 3)), (False, (7, 8)),
+        (True, (3, 4)), (True, (6, 7)), (False, (3, 4)), (False, (6, 7))]
+    # a filtered backup: only its slots, still in the order written
+    copies = backup._pieces(layer, [w13, w2], [1, 5, 6])
+    assert [ends for *_, ends in copies if ends] == [[1, 5], [6]]
+
+
+def test_a_failure_half_way_through_the_writes_restores_after_the_queued_ones(ckpts, monkeypatch):
+    """The reload fails after some chunks' copies are queued on the side streams: the
+    restore runs after them (not under them), and the model is exactly as before."""
+    if not torch.cuda.is_available():
+        pytest.skip("the side streams are a CUDA path")
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    model = fr.load_model(ckpts["fp8", 0], device="cuda")
+    before = fr.snapshot(model)
+    real, calls = to_device._land, []
+
+    def land(*args, **kw):
+        calls.append(1)
+        if len(calls) == 6:
+            raise RuntimeError("injected: the device went away")
+        return real(*args, **kw)
+
+    monkeypatch.setattr(to_device, "_land", land)
+    with pytest.raises(fr.CommitError, match="injected"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

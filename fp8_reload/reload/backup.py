@@ -3,7 +3,10 @@
 The copies are bounded by the reload: for a FusedMoE only the reloaded expert
 slots of the two big weights, everything else of a touched module whole. On a
 GPU model they go to a pinned host arena as async device-to-host copies that
-the stream orders before the commit's writes.
+the stream orders before the commit's writes. A FusedMoE's slots are copied in
+pieces of about a chunk, in the order the commit writes them, an event each: the
+writes of a slot wait for its piece only, so the reload's host-to-device stream
+trails the backup's device-to-host one by a piece, not by a layer.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
 from ..quant import index_copy_
+from . import chunks
 from .filters import modules_by_name
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
@@ -57,10 +61,13 @@ class Backup:
         self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
         # (tensor, [start, end) of its slots or None for all of it, the copy)
         self.copies: list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]] = []
-        self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None]] = []
+        # (module, tensor, its slots to copy or None for all, copied by slot: a FusedMoE's weights)
+        self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None, bool]] = []
         self.nbytes = 0
         self.stream = None  # the side stream the copies ran on, if any
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
+        self.slot_events: dict[tuple[int, int], torch.cuda.Event] = {}  # (id(module), slot) -> its piece's
+        self.slot_order: dict[int, list[int]] = {}  # id(FusedMoE) -> its slots in the order written
         self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
 
     def start(self) -> None:
@@ -76,18 +83,25 @@ class Backup:
         module (`event_for`) telling the writes of that module when they may start;
         otherwise the current stream orders them before the writes."""
         small: dict[torch.dtype, list[torch.Tensor]] = {}
-        big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None]] = []
-        for module, tensor, slots in self.pending:
-            if slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+        # (module, tensor, run of slots or None, the slots whose piece ends with this copy)
+        big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None, list[int]]] = []
+        pieced: dict[int, list[torch.Tensor]] = {}  # id(FusedMoE) -> its weights copied in pieces
+        for module, tensor, _, by_slot in self.pending:
+            if by_slot and stream is not None:
+                pieced.setdefault(id(module), []).append(tensor)
+        for module, tensor, slots, by_slot in self.pending:
+            if by_slot and id(module) in pieced:
+                if tensor is pieced[id(module)][0]:  # all of the module's pieces, in its place
+                    big += self._pieces(module, pieced[id(module)], slots)
+            elif slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
                 small.setdefault(tensor.dtype, []).append(tensor)
+            elif slots is None:
+                big.append((module, _dense_view(tensor), None, []))
             else:
-                if slots is None:
-                    big.append((module, _dense_view(tensor), None))
-                else:
-                    big += [(module, tensor, run) for run in _runs(slots)]
+                big += [(module, tensor, run, []) for run in _runs(slots)]
         if arena is not None:
             sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
-            sizes += [_piece(t, r).numel() * t.element_size() for _, t, r in big]
+            sizes += [_piece(t, r).numel() * t.element_size() for _, t, r, _ in big]
             arena.reset(sum(staging.aligned(n) for n in sizes))
         if stream is not None:
             stream.wait_stream(torch.cuda.current_stream(stream.device))
@@ -102,14 +116,36 @@ class Backup:
             if stream is not None:
                 first = torch.cuda.Event()
                 first.record(stream)
-                self.events = {id(module): first for module, _, _ in self.pending}
-            for k, (module, tensor, run) in enumerate(big):
+                self.events = {id(module): first for module, *_ in self.pending}
+            for k, (module, tensor, run, ends) in enumerate(big):
                 self.copies.append((tensor, run, self._keep(_piece(tensor, run), arena, fresh=False)))
-                if stream is not None and (k + 1 == len(big) or big[k + 1][0] is not module):
-                    self.events[id(module)] = event = torch.cuda.Event()
+                last = k + 1 == len(big) or big[k + 1][0] is not module
+                if stream is not None and (ends or last):
+                    event = torch.cuda.Event()
                     event.record(stream)
+                    self.slot_events.update(((id(module), s), event) for s in ends)
+                    if last:
+                        self.events[id(module)] = event
         self.nbytes = sum(c.numel() * c.element_size() for _, _, c in self.copies)
         self.pending = []
+
+    def _pieces(self, module: FusedMoE, tensors: list[torch.Tensor], slots: list[int] | None) -> list:
+        """The copies of a FusedMoE's expert weights at `slots` (None: all), a piece of
+        about `CHUNK_BYTES` at a time in the order the commit writes the slots
+        (`slot_order`, then the rest), each piece's weights one copy per run of adjacent
+        slots; the last copy of a piece names the piece's slots."""
+        todo = range(module.num_local_experts) if slots is None else slots
+        wanted = set(todo)
+        order = [s for s in self.slot_order.get(id(module), ()) if s in wanted]
+        order += sorted(wanted.difference(order))
+        per_slot = sum(t[0].numel() * t.element_size() for t in tensors)
+        size = max(1, chunks.CHUNK_BYTES // max(per_slot, 1))
+        out = []
+        for at in range(0, len(order), size):
+            piece = sorted(order[at:at + size])
+            out += [(module, t, run, []) for t in tensors for run in _runs(piece)]
+            out[-1] = (*out[-1][:3], piece)
+        return out
 
     def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
         """The backup copy of `src` (`fresh`: a new tensor nothing else holds)."""
@@ -121,9 +157,14 @@ class Backup:
             return src.to("cpu", copy=not fresh)
         return src if fresh else src.clone()
 
-    def event_for(self, module: nn.Module):
-        """The event after which `module` may be overwritten; None when the copies were
-        ordered on the current stream (or not on a GPU) or `module` is not backed up."""
+    def event_for(self, module: nn.Module, slot: int | None = None):
+        """The event after which `module` (with `slot`: that expert slot of it) may be
+        overwritten; None when the copies were ordered on the current stream (or not on
+        a GPU) or `module` is not backed up."""
+        if slot is not None:
+            event = self.slot_events.get((id(module), slot))
+            if event is not None:
+                return event
         return self.events.get(id(module))
 
     def capture(self, module: nn.Module, slots: list[int] | None) -> None:
@@ -141,10 +182,10 @@ class Backup:
             if p is None:
                 continue
             big = isinstance(module, FusedMoE) and name in ("w13_weight", "w2_weight")
-            self.pending.append((module, p.data, slots if big else None))
+            self.pending.append((module, p.data, slots if big else None, big))
         for buf in buffers.values():
             if buf is not None:
-                self.pending.append((module, buf, None))
+                self.pending.append((module, buf, None, False))
 
     def restore(self) -> None:
         """Objects and small state first (cannot fail), then the bytes."""
@@ -183,10 +224,11 @@ def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
 
 
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
-                   order: list[str] | None = None, stream=None, start: bool = True,
-                   memo: dict | None = None) -> Backup:
-    """Back up what a reload of `names` may change. `order` (module names) is the order
-    the commit writes modules in, so that with `stream` the first backups finish first.
+                   order: tuple[list[str], dict[str, list[int]]] | None = None, stream=None,
+                   start: bool = True, memo: dict | None = None) -> Backup:
+    """Back up what a reload of `names` may change. `order` (module names, and the slots
+    of each FusedMoE) is the order the commit writes them in (`targets.write_order`), so
+    that with `stream` the first backups finish first.
     With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
     streaming reload starts them once forwards have drained, so that waiting for the
     forwards does not also wait for the backup). `memo`: where the slots of a kept plan's
@@ -206,9 +248,12 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
     targets = set(slots)
     if process_all:
         targets |= {name for name, _ in model.quantized_modules()}
-    rank = {n: k for k, n in enumerate(order or [])}
+    module_order, slot_order = order or ([], {})
+    rank = {n: k for k, n in enumerate(module_order)}
     for name in sorted(targets, key=lambda n: (rank.get(n, len(rank)), n)):
         module = modules[name]
+        if name in slot_order:
+            backup.slot_order[id(module)] = slot_order[name]
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))

@@ -13,9 +13,10 @@ the files' stamps are unchanged (the parsed checkpoint is reused only then), if 
 shard was settled when parsed (`files.settled`): a fresh one can be rewritten in place
 within one timestamp tick without its stamp moving.
 
-On a GPU the copies run on a copy stream (`to_device`); each module's copies wait for
-the backup of that module (`wait_for(module)` gives its event), so the backup's
-device-to-host copies and these host-to-device copies share the link, one each way.
+On a GPU the copies run on side streams (`to_device`); each write waits for the backup
+of what it overwrites (`wait_for(module, slot)` gives the event: a FusedMoE's slots are
+backed up in pieces), so the backup's device-to-host copies and these host-to-device
+copies share the link, one each way, the writes a piece behind the backup.
 """
 
 from __future__ import annotations
@@ -91,8 +92,8 @@ def _write_scalars(targets: list[Target], values: list[float]) -> None:
 def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
     """Write every target into place; returns the names of the modules touched.
 
-    `wait_for(module)` gives the CUDA event after which `module` may be overwritten (its
-    backup is taken), or None.
+    `wait_for(module, slot=None)` gives the CUDA event after which `module` (that expert
+    slot of it) may be overwritten (its backup is taken), or None.
     """
     streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
     scalars = [t for t in prep.targets if t.kind == "scalar"]
@@ -118,12 +119,14 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> Non
     stream = side_stream(device, "copy")
     waited: set[int] = set()
 
-    def writable(module) -> None:  # the backup of `module` is taken: it may be overwritten
-        if wait_for is not None and id(module) not in waited:
-            event = wait_for(module)
-            if event is not None:
+    def writable(module, slots=()) -> None:  # their backup is taken: they may be overwritten
+        if wait_for is None:
+            return
+        for slot in slots or (None,):
+            event = wait_for(module, slot)
+            if event is not None and id(event) not in waited:
                 stream.wait_event(event)
-            waited.add(id(module))
+                waited.add(id(event))
 
     stream.wait_stream(torch.cuda.current_stream(device))
     if streamed:

@@ -226,3 +226,13 @@ def mark_loaded(targets: list[Target]) -> set[str]:
         elif hasattr(t.module, "needs_processing"):
             t.module.needs_processing = True
     return touched
+
+
+def write_order(targets: list[Target]) -> tuple[list[str], dict[str, list[int]]]:
+    """The order `targets` write in: module names, and each FusedMoE's slots (the backup
+    copies them in this order, so each write waits for as little of it as it can)."""
+    slots: dict[str, dict[int, None]] = {}
+    for t in targets:
+        if t.slots:
+            slots.setdefault(t.module_name, {}).update(dict.fromkeys(t.slots))
+    return list(dict.fromkeys(t.module_name for t in targets)), {n: list(s) for n, s in slots.items()}

@@ -1,13 +1,13 @@
-"""Landing a streamed reload on a GPU: asynchronous copies on a copy stream, no staging of
-the whole reload, values checked where they land.
+"""Landing a streamed reload on a GPU: asynchronous copies, no staging of the whole
+reload, values checked where they land.
 
 Two sources:
 
 * a *registered* shard (`checkpoint.registered`, the file's page cache pinned for the
-  DMA engine): each tensor is one host-to-device copy straight into its parameter,
-  nothing read by the CPU at all;
+  DMA engine): each chunk is one host-to-device copy of its file window, nothing read
+  by the CPU at all;
 * any other file: `chunks.stream_through_ring` (reader threads into pinned buffers),
-  and the copies out of each buffer.
+  and one copy out of each buffer.
 
 Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
 shard the second time a reload reads most of it under the same stamps (what EPLB and RL
@@ -15,14 +15,18 @@ weight sync do; registering costs about one read of the file, so a checkpoint re
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
 default half the host's memory); ``always``; ``never``.
 
-Every chunk lands in a device slot first (one copy), and goes from there to its places:
-FP8 tensors by device-to-device copies, bf16 experts (quantized on load) by the
-quantization into their FP8 slots. Device memory beyond the model is one chunk
-(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default).
+Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
+there to its places on the writes stream ("copy"), which waits for the backup of the
+slots it overwrites: FP8 tensors by one scatter launch per chunk (`scatter.copy_words_`,
+its table kept between reloads), bf16 experts (quantized on load) by the quantization
+into their FP8 slots. While one buffer is scattered the next chunk fills the other, so
+the link runs without gaps. Device memory beyond the model is two chunks
+(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 
 import torch
@@ -49,23 +53,52 @@ def _register_budget() -> int:
         return 0
 
 
-class DeviceSlot:
-    """Device scratch one chunk lands in before its tensors go to their places."""
+class DeviceSlots:
+    """Two device buffers chunks land in by turns: while one chunk's tensors go from its
+    buffer to their places (the writes stream), the next chunk's host-to-device copy
+    fills the other (the "h2d" stream), so the link never waits for the scatter or for
+    the backup. Each remembers the event after which it may be filled again."""
 
     def __init__(self):
-        self.buffer: torch.Tensor | None = None
+        self.buffers: list[torch.Tensor] = []
+        self.free: list = [None, None]
 
-    def get(self, nbytes: int, device) -> torch.Tensor:
+    def reserve(self, nbytes: int, device) -> None:
+        """Buffers of at least `nbytes` on `device`. Called before a reload queues anything:
+        no copy of an earlier reload is still using them (the transaction waited for it)."""
         device = torch.device(device)
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
-        if self.buffer is None or self.buffer.numel() < nbytes or self.buffer.device != device:
-            self.buffer = None
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return self.buffer
+        if not self.buffers or self.buffers[0].numel() < nbytes or self.buffers[0].device != device:
+            self.buffers = []
+            self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
+        self.free = [None, None]
 
     def release(self) -> None:
-        self.buffer = None
+        self.buffers, self.free = [], [None, None]
+
+
+class WordTables:
+    """The scatter tables of the chunks a model's reloads land (`scatter.word_table`), by
+    their copies: a repeated reload lands the same copies, and finds its tables here."""
+
+    KEEP = 4096  # rows of tables: a whole model's chunks for two alternating checkpoints
+
+    def __init__(self):
+        self.tables: dict = {}
+
+    def get(self, copies: tuple, device) -> torch.Tensor:
+        table = self.tables.get(copies)
+        if table is None:
+            from ..kernels.triton.scatter import word_table  # needs triton: imported on use
+
+            if len(self.tables) >= self.KEEP:
+                self.tables.clear()
+            table = self.tables[copies] = word_table(copies, device)
+        return table
+
+    def release(self) -> None:
+        self.tables = {}
 
 
 def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
@@ -122,79 +155,113 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
     quantize_pieces_(pieces)
 
 
-def _land(chunk: Chunk, buf: torch.Tensor, slot: DeviceSlot, device, writable, checks,
-          quant_checks, gather: bool = False) -> None:
-    """Queue the copies of one chunk out of `buf` (pinned or registered host memory) on
-    the current stream (the copy stream): the whole chunk in one host-to-device copy into
-    the device slot (one DMA runs at the link's speed; hundreds of tensor-sized ones from
-    page-cache pages do not), then each tensor from there to its place at memory speed.
-    Only those device-to-device copies wait for the modules' backups. `gather`: `buf` is
-    the chunk's whole (registered) file, and each span is copied from its file offset:
-    the gaps between the spans of a filtered reload are not moved."""
-    stream = torch.cuda.current_stream(device)
-    dslot = slot.get(chunk.extent, device)[:chunk.extent]
+def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: WordTables,
+          writable, checks, quant_checks, gather: bool = False):
+    """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
+    one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
+    at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
+    then, on the current stream (the writes), each tensor from there to its place at
+    memory speed: one launch for all that are whole 32-bit words, a copy for any other.
+    Only those writes wait for the modules' backups. `gather`: `buf` is the chunk's whole
+    (registered) file, and each span is copied from its file offset: the gaps between
+    the spans of a filtered reload are not moved. Returns the event after which `buf`
+    may be refilled."""
+    place = torch.cuda.current_stream()
+    h2d = side_stream(place.device, "h2d")
+    i = k % 2
+    dslot = slots.buffers[i][:chunk.extent]
+    if slots.free[i] is not None:
+        h2d.wait_event(slots.free[i])
     if gather:
         for off, n, at in chunk.spans:
-            copy_async(dslot[at:at + n], buf[off:off + n], stream)
+            copy_async(dslot[at:at + n], buf[off:off + n], h2d)
     else:
-        copy_async(dslot, buf[:chunk.extent], stream)
+        copy_async(dslot, buf[:chunk.extent], h2d)
+    landed = torch.cuda.Event()
+    landed.record(h2d)
+    place.wait_event(landed)
+    words, others = [], []
     for t in chunk.targets:
+        writable(t.module, t.slots)
         if t.kind != "copy":
             continue
-        writable(t.module)
-        src = chunk.source(dslot, t)
+        at, nbytes = chunk.offset_of(t), t.info.nbytes
         for view in t.views:
-            copy_async(view, src, stream)
+            ptr = view.data_ptr()
+            if at % 4 or ptr % 4 or nbytes % 4 or not view.is_contiguous():
+                others.append((view, t))
+            else:
+                words.append((at, ptr, nbytes))
         checks.append((t, t.views[0]))
+    if words:
+        from ..kernels.triton.scatter import copy_words_  # needs triton: imported on use
+
+        copy_words_(dslot, tables.get(tuple(words), dslot.device))
+    for view, t in others:
+        copy_async(view, chunk.source(dslot, t), place)
     if any(t.kind == "quant" for t in chunk.targets):
-        for t in chunk.targets:
-            writable(t.module)
         _quantize_chunk(chunk, dslot, quant_checks)
+    slots.free[i] = torch.cuda.Event()
+    slots.free[i].record(place)
+    return landed
 
 
 def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict) -> None:
     """Copy every streamed target into place on `device`, then check the values (one
-    read-back). `writable(module)` makes the copy stream wait until `module` may be
-    overwritten (its backup is taken)."""
+    read-back). `writable(module, slots)` makes the writes stream wait until those slots
+    of `module` (all of it, for no slots) may be overwritten (their backup is taken)."""
     t0 = streamed[0]
     device = t0.views[0].device if t0.views else t0.module.w13_weight.device
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
+    side_stream(device, "h2d").wait_stream(stream)
     checks: list[tuple[Target, torch.Tensor]] = []
     quant_checks: list | None = [] if check else None
-    slot: DeviceSlot = holder(model, "device_slot", DeviceSlot)
     chunks = make_chunks(streamed)
     registered = registered_files(model, ckpt, chunks)
-    with torch.cuda.stream(stream):
-        direct = [c for c in chunks if c.file in registered]
-        with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c in direct)):
-            for chunk in direct:
-                reg = registered[chunk.file]
-                start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
-                # one DMA of the window where its gaps are small (a full reload's: the scales
-                # read before the lock); a filtered reload's are mostly gaps: the spans alone
-                if end - start <= chunk.extent + chunk.extent // WINDOW_SLACK:
-                    _land(Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
-                          reg.view[start:end], slot, device, writable, checks, quant_checks)
-                else:
-                    _land(chunk, reg.view, slot, device, writable, checks, quant_checks, gather=True)
-                stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
-        rest = [c for c in chunks if c.file not in registered]
-        if rest:
-            ring = ring_for(model, max(c.nbytes for c in rest), pin=True)
-
-            def land(chunk: Chunk, buf: torch.Tensor):
-                _land(chunk, buf, slot, device, writable, checks, quant_checks)
-                event = torch.cuda.Event()
-                event.record(stream)
-                return event
-
-            with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
-                stream_through_ring(ckpt, rest, ring, land, stats)
-        flags = []
-        if check and checks:  # the same views every first reload: their table is kept
-            flags.append(nonfinite_flags([v for _, v in checks], holder(model, "value_tables", KeptTables)))
-    torch.cuda.current_stream(device).wait_stream(stream)
+    direct, rest, windows = [], [], []
+    for chunk in chunks:
+        if chunk.file not in registered:
+            rest.append(chunk)
+            continue
+        start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
+        start -= start % 16  # the window keeps the file's alignment: tensors copy as words
+        # one DMA of the window where its gaps are small (a full reload's: the scales read
+        # before the lock); a filtered reload's are mostly gaps: the spans alone
+        if end - start <= chunk.extent + chunk.extent // WINDOW_SLACK:
+            direct.append((Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
+                           start, end))
+        else:
+            direct.append((chunk, None, None))
+        windows.append(direct[-1][0].extent)
+    slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
+    slots.reserve(max(windows + [c.extent for c in rest]), device)
+    tables: WordTables = holder(model, "word_tables", WordTables)
+    landing = (slots, tables, writable, checks, quant_checks)
+    flags = []
+    try:
+        with torch.cuda.stream(stream):
+            with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, _, _ in direct)):
+                for k, (chunk, start, end) in enumerate(direct):
+                    view = registered[chunk.file].view
+                    if start is None:
+                        _land(chunk, view, k, *landing, gather=True)
+                    else:
+                        _land(chunk, view[start:end], k, *landing)
+                    stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
+            if rest:
+                ring = ring_for(model, max(c.nbytes for c in rest), pin=True)
+                turn = itertools.count(len(direct))  # which device buffer: the two alternate
+                with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
+                    stream_through_ring(ckpt, rest, ring,
+                                        lambda chunk, buf: _land(chunk, buf, next(turn), *landing), stats)
+            if check and checks:  # the same views every first reload: their table is kept
+                kept = holder(model, "value_tables", KeptTables)
+                flags.append(nonfinite_flags([v for _, v in checks], kept))
+    finally:  # also on a failure: a restore (on the current stream) must come after every write
+        current = torch.cuda.current_stream(device)
+        current.wait_stream(stream)
+        current.wait_stream(side_stream(device, "h2d"))
     if check and (checks or quant_checks):
         for targets, qflags in quant_checks or ():
             checks += [(t, None) for t in targets]

@@ -57,6 +57,7 @@ from .plan import (
     target_cache,
 )
 from .stream import commit, prepare
+from .targets import write_order
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -206,7 +207,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             memo = target_cache(model).derived_of(names) if streaming else {}
             with timer.phase("backup"):
                 if streaming and "order" not in memo:
-                    memo["order"] = list(dict.fromkeys(t.module_name for t in targets))
+                    memo["order"] = write_order(targets)
                 saved = capture_backup(model, names, process_all, backup, order=memo.get("order"),
                                        stream=side_stream(device, "backup") if streaming and cuda else None,
                                        start=not streaming, memo=memo)
@@ -235,11 +236,9 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                             touched = commit(model, prepared, stats, wait_for=saved.event_for)
                         else:
                             touched = model.load_weights(progress.loading(staged))
-                    synchronize(device)
-                    if streaming and checkpoint_stamp(ckpt) != stamp:
-                        raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
-                                                     "read; the reload is rolled back")
-                with timer.phase("process"):
+                    if not streaming:
+                        synchronize(device)
+                with timer.phase("process"):  # on a GPU queued behind the copies: no wait here
                     if process_all:
                         todo = list(model.quantized_modules())
                     else:
@@ -250,7 +249,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                         for item in todo:
                             progress.doing = f"post-processing module {item[0]!r}"
                             report.modules_processed += process_modules([item])
-                    synchronize(device)
+                with timer.phase("drain"):  # the device finishes what was queued; bytes read
+                    synchronize(device)     # from registered shards are all read by now
+                    if streaming and checkpoint_stamp(ckpt) != stamp:
+                        raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
+                                                     "read; the reload is rolled back")
             except BaseException as fault:
                 with timer.phase("restore"):
                     roll_back(model, saved, fault, ckpt, progress.doing)
