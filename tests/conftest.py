@@ -39,7 +39,7 @@ if not torch.cuda.is_available():
 
 ENGINES = ["stream", "staged"]
 # A point inside each engine's commit that runs once per tensor written.
-WRITE_POINT = {"staged": (FusedMoE, "_load_into_slot"), "stream": (Chunk, "source")}
+WRITE_POINT = {"staged": (FusedMoE, "_load_into_slot"), "stream": (Chunk, "offset_of")}
 
 
 @pytest.fixture(params=ENGINES)

@@ -28,7 +28,9 @@ import fp8_reload.layers as layers
 import fp8_reload.processing as proc
 import fp8_reload.processing.moe as moe_processing
 import fp8_reload.reload.backup as backup_mod
+import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.stream as stream_mod
+import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import Checkpoint
 from fp8_reload.layers import EXPERT_RE, FusedMoE
@@ -263,6 +265,8 @@ class Fault:
             try:
                 orig(*args, **kwargs)
             finally:
+                if torch.cuda.is_available():  # what was queued so far has run
+                    torch.cuda.synchronize()
                 staged = any(getattr(m, "staged", None) for m in model.modules())
                 self.dirty = staged or fr.compare_states(before, fr.snapshot(model), identity=True) != []
             raise self.exc
@@ -275,7 +279,7 @@ FILTERED = {1: [0, 3], 2: [5]}
 
 # (name, owner, attribute, at which call): points inside commit ...
 COMMIT_POINTS = [
-    ("stream-copy", Chunk, "source", 4),  # the streaming engine (default)
+    ("stream-copy", Chunk, "offset_of", 4),  # the streaming engine (default)
     ("expert-loader", FusedMoE, "_load_into_slot", 4),  # the staged engine's loaders
     ("linear-loader", proc.FixedFp8LinearMethod, "load_linear", 3),
 ]
@@ -323,6 +327,11 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
         # FP8 tensors take a loader only in the staged engine (bf16 ones, quantized on
         # load, take theirs on CPU in both)
         monkeypatch.setattr(transaction_mod, "ENGINE", "staged")
+    if attr == "offset_of" and device == "cuda":
+        # on a GPU a chunk's tensors are written together (one scatter): fault the landing
+        # of the second of many small chunks, the first one written
+        owner, attr, at = to_device, "_land", 2
+        monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model = fr.load_model(ckpts[kind, 0], device=device)
     x = tokens(tiny_cfg).to(device)
     y0 = model(x)

@@ -274,8 +274,11 @@ def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, mo
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 2 * per_slot)  # two slots a piece
     assert layer.num_local_experts == 8
     backup = backup_mod.Backup()
-    backup.slot_order[id(layer)] = [5, 4, 0, 1, 7]  # the rest (2, 3, 6) come after, in order
-    copies = backup._pieces(layer, [w13, w2], None)
+    for k, slot in enumerate([5, 4, 0, 1, 7]):  # the rest (2, 3, 6) come after, in order
+        backup.written[id(layer), slot] = k
+    pieces = backup._pieces(layer, [w13, w2], None)
+    assert [piece for piece, _ in pieces] == [[5, 4], [0, 1], [7, 2], [3, 6]]
+    copies = [c for _, cs in pieces for c in cs]
     assert [ends for *_, ends in copies if ends] == [[4, 5], [0, 1], [2, 7], [3, 6]]
     # each piece: both weights, one copy per run of adjacent slots
     assert [(t is w13, run) for _, t, run, _ in copies] == [
@@ -283,8 +286,24 @@ def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, mo
         (True, (2, 3)), (True, (7, 8)), (False, (2, 3)), (False, (7, 8)),
         (True, (3, 4)), (True, (6, 7)), (False, (3, 4)), (False, (6, 7))]
     # a filtered backup: only its slots, still in the order written
-    copies = backup._pieces(layer, [w13, w2], [1, 5, 6])
-    assert [ends for *_, ends in copies if ends] == [[1, 5], [6]]
+    assert [piece for piece, _ in backup._pieces(layer, [w13, w2], [1, 5, 6])] == [[5, 1], [6]]
+
+
+def test_the_backup_follows_the_order_the_commit_writes_in(ckpts):
+    """`write_order`: streamed targets first in file order (the scales, written last,
+    after them), a FusedMoE by its slots, each unit once."""
+    from fp8_reload.reload.plan import open_checkpoint, plan_reload
+    from fp8_reload.reload.targets import write_order
+
+    model = fr.load_model(ckpts["fp8", 0])
+    ckpt = open_checkpoint(model, ckpts["fp8", 0])
+    _, targets = plan_reload(model, ckpt, None, False, model.mode.expand_units)
+    order = write_order(targets)
+    assert len(order) == len(set(order))
+    streamed = [t for t in targets if t.kind in ("copy", "quant")]
+    first = list(dict.fromkeys((t.module_name, s) for t in streamed for s in (t.slots or (None,))))
+    assert order[:len(first)] == first
+    assert {u for t in targets for u in ((t.module_name, s) for s in (t.slots or (None,)))} == set(order)
 
 
 def test_a_failure_half_way_through_the_writes_restores_after_the_queued_ones(ckpts, monkeypatch):

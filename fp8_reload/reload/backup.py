@@ -67,7 +67,8 @@ class Backup:
         self.stream = None  # the side stream the copies ran on, if any
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
         self.slot_events: dict[tuple[int, int], torch.cuda.Event] = {}  # (id(module), slot) -> its piece's
-        self.slot_order: dict[int, list[int]] = {}  # id(FusedMoE) -> its slots in the order written
+        # (id(module), slot or None) -> when the commit first writes it (`targets.write_order`)
+        self.written: dict[tuple[int, int | None], int] = {}
         self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
 
     def start(self) -> None:
@@ -85,20 +86,30 @@ class Backup:
         small: dict[torch.dtype, list[torch.Tensor]] = {}
         # (module, tensor, run of slots or None, the slots whose piece ends with this copy)
         big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None, list[int]]] = []
+        when: list[int] = []  # per copy of `big`: when the commit first writes what it holds
+        never = len(self.written)
         pieced: dict[int, list[torch.Tensor]] = {}  # id(FusedMoE) -> its weights copied in pieces
         for module, tensor, _, by_slot in self.pending:
             if by_slot and stream is not None:
                 pieced.setdefault(id(module), []).append(tensor)
         for module, tensor, slots, by_slot in self.pending:
+            at = len(big)
             if by_slot and id(module) in pieced:
                 if tensor is pieced[id(module)][0]:  # all of the module's pieces, in its place
-                    big += self._pieces(module, pieced[id(module)], slots)
-            elif slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
+                    for piece, copies in self._pieces(module, pieced[id(module)], slots):
+                        big += copies
+                        when += [self.written.get((id(module), piece[0]), never)] * len(copies)
+                continue
+            if slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
                 small.setdefault(tensor.dtype, []).append(tensor)
             elif slots is None:
                 big.append((module, _dense_view(tensor), None, []))
             else:
                 big += [(module, tensor, run, []) for run in _runs(slots)]
+            when += [self.written.get((id(module), None), never)] * (len(big) - at)
+        if stream is not None:  # in the order the commit writes: each write waits for its own
+            big = [big[k] for k in sorted(range(len(big)), key=when.__getitem__)]
+        last = {id(module): k for k, (module, *_) in enumerate(big)}
         if arena is not None:
             sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
             sizes += [_piece(t, r).numel() * t.element_size() for _, t, r, _ in big]
@@ -119,32 +130,31 @@ class Backup:
                 self.events = {id(module): first for module, *_ in self.pending}
             for k, (module, tensor, run, ends) in enumerate(big):
                 self.copies.append((tensor, run, self._keep(_piece(tensor, run), arena, fresh=False)))
-                last = k + 1 == len(big) or big[k + 1][0] is not module
-                if stream is not None and (ends or last):
+                if stream is not None and (ends or last[id(module)] == k):
                     event = torch.cuda.Event()
                     event.record(stream)
                     self.slot_events.update(((id(module), s), event) for s in ends)
-                    if last:
+                    if last[id(module)] == k:
                         self.events[id(module)] = event
         self.nbytes = sum(c.numel() * c.element_size() for _, _, c in self.copies)
         self.pending = []
 
     def _pieces(self, module: FusedMoE, tensors: list[torch.Tensor], slots: list[int] | None) -> list:
-        """The copies of a FusedMoE's expert weights at `slots` (None: all), a piece of
-        about `CHUNK_BYTES` at a time in the order the commit writes the slots
-        (`slot_order`, then the rest), each piece's weights one copy per run of adjacent
-        slots; the last copy of a piece names the piece's slots."""
+        """[(piece, copies)]: a FusedMoE's expert weights at `slots` (None: all), about
+        `CHUNK_BYTES` a piece, the slots taken in the order the commit writes them
+        (`written`, then any others); a piece is its slots in that order, its copies both
+        weights, one copy per run of adjacent slots, the last one naming the piece's slots."""
         todo = range(module.num_local_experts) if slots is None else slots
-        wanted = set(todo)
-        order = [s for s in self.slot_order.get(id(module), ()) if s in wanted]
-        order += sorted(wanted.difference(order))
+        never = len(self.written)
+        order = sorted(todo, key=lambda s: (self.written.get((id(module), s), never), s))
         per_slot = sum(t[0].numel() * t.element_size() for t in tensors)
         size = max(1, chunks.CHUNK_BYTES // max(per_slot, 1))
         out = []
         for at in range(0, len(order), size):
-            piece = sorted(order[at:at + size])
-            out += [(module, t, run, []) for t in tensors for run in _runs(piece)]
-            out[-1] = (*out[-1][:3], piece)
+            piece = order[at:at + size]
+            copies = [(module, t, run, []) for t in tensors for run in _runs(sorted(piece))]
+            copies[-1] = (*copies[-1][:3], sorted(piece))
+            out.append((piece, copies))
         return out
 
     def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
@@ -224,11 +234,11 @@ def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
 
 
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
-                   order: tuple[list[str], dict[str, list[int]]] | None = None, stream=None,
+                   order: list[tuple[str, int | None]] | None = None, stream=None,
                    start: bool = True, memo: dict | None = None) -> Backup:
-    """Back up what a reload of `names` may change. `order` (module names, and the slots
-    of each FusedMoE) is the order the commit writes them in (`targets.write_order`), so
-    that with `stream` the first backups finish first.
+    """Back up what a reload of `names` may change. `order` is the order the commit
+    writes in (`targets.write_order`: modules, and a FusedMoE's slots), so that with
+    `stream` the backups it waits for finish first, a piece at a time.
     With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
     streaming reload starts them once forwards have drained, so that waiting for the
     forwards does not also wait for the backup). `memo`: where the slots of a kept plan's
@@ -248,12 +258,12 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
     targets = set(slots)
     if process_all:
         targets |= {name for name, _ in model.quantized_modules()}
-    module_order, slot_order = order or ([], {})
-    rank = {n: k for k, n in enumerate(module_order)}
+    rank: dict[str, int] = {}
+    for k, (name, slot) in enumerate(order or ()):
+        rank.setdefault(name, k)
+        backup.written[id(modules[name]), slot] = k
     for name in sorted(targets, key=lambda n: (rank.get(n, len(rank)), n)):
         module = modules[name]
-        if name in slot_order:
-            backup.slot_order[id(module)] = slot_order[name]
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all
                  or len(slots[name]) == module.num_local_experts)
         backup.capture(module, None if whole else sorted(slots[name]))

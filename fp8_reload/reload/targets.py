@@ -228,11 +228,11 @@ def mark_loaded(targets: list[Target]) -> set[str]:
     return touched
 
 
-def write_order(targets: list[Target]) -> tuple[list[str], dict[str, list[int]]]:
-    """The order `targets` write in: module names, and each FusedMoE's slots (the backup
-    copies them in this order, so each write waits for as little of it as it can)."""
-    slots: dict[str, dict[int, None]] = {}
-    for t in targets:
-        if t.slots:
-            slots.setdefault(t.module_name, {}).update(dict.fromkeys(t.slots))
-    return list(dict.fromkeys(t.module_name for t in targets)), {n: list(s) for n, s in slots.items()}
+def write_order(targets: list[Target]) -> list[tuple[str, int | None]]:
+    """What `targets` write, in the order they first write it: (module name, slot) for a
+    FusedMoE's experts, (module name, None) for anything else. The backup copies in this
+    order, so each write waits for as little of it as it can. The streamed ones first, in
+    file order; the scales (written last) and the loaders after."""
+    targets = sorted(targets, key=lambda t: t.kind not in ("copy", "quant"))  # (a stable sort)
+    units = ((t.module_name, s) for t in targets for s in (t.slots or (None,)))
+    return list(dict.fromkeys(units))
