@@ -64,42 +64,94 @@ def test_requantize_twice_changes_nothing():
     assert_bitwise_equal(q, once, "w13 processed again")
 
 
-def test_quantize_pieces_matches_the_torch_path():
-    g = torch.Generator().manual_seed(2)
-    e, inter, hidden = 5, 32, 64
-    slots = [0, 2, 4]
-    staged = {s: {"w1": (torch.randn(inter, hidden, generator=g) * (s + 1)).to(torch.bfloat16),
-                  "w3": torch.randn(inter, hidden, generator=g).to(torch.bfloat16),
-                  "w2": (torch.randn(hidden, inter, generator=g) * 1e3).to(torch.bfloat16)}
-              for s in slots}
-    staged[2]["w2"].zero_()  # an all-zero expert: the smallest scale, zeros out
-    staged[4]["w1"][0, 0] = float("1e30")  # a huge value: saturates nothing else away
-    w13 = torch.zeros(e, 2 * inter, hidden, dtype=FP8_DTYPE)
-    w2 = torch.zeros(e, hidden, inter, dtype=FP8_DTYPE)
-    s13, s2 = torch.ones(e, 2), torch.ones(e)
-    want = [t.clone() for t in (w13, s13, w2, s2)]
-    idx = torch.tensor(slots)
-    ops.quantize_experts_(want[0], want[1], idx,
-                          torch.stack([torch.cat([staged[s]["w1"], staged[s]["w3"]]) for s in slots]))
-    ops.quantize_experts_(want[2], want[3], idx, torch.stack([staged[s]["w2"] for s in slots]))
-
-    got = [t.to(DEVICE) for t in (w13, s13, w2, s2)]
-    pieces = []
-    for k, s in enumerate(slots):
-        src = {n: t.to(DEVICE) for n, t in staged[s].items()}
-        pieces += [(src["w1"], got[0][s, :inter], 2 * k, got[1][s]),
-                   (src["w3"], got[0][s, inter:], 2 * k, None),
-                   (src["w2"], got[2][s], 2 * k + 1, got[3][s:s + 1])]
-    requant.quantize_pieces_(pieces)
-    for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
-        assert_bitwise_equal(a, b.cpu(), name)
+def fp8_edge_w13(e: int, inter: int, hidden: int):
+    """Edge cases, one expert each: equal scales, a half of zeros (and its scale the max),
+    +-0, values at +-448, subnormals that underflow or round, a tiny ratio, the up half
+    larger (the gate moves), a scale of MIN_SCALE."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(e, 2 * inter, hidden, generator=g) * 100).clamp(-448, 448)
+    s = torch.rand(e, 2, generator=g) + 0.1
+    s[0, 1] = s[0, 0]  # equal: nothing moves
+    w[1, :inter] = 0.0  # a zero half whose scale is the larger one
+    s[1, 0] = 3.0
+    w[2, :, 0], w[2, :, 1] = 0.0, -0.0  # signed zeros
+    w[3, :, :8] = 448.0  # max magnitude
+    w[3, :, 8:16] = -448.0
+    w[4] = torch.randn(2 * inter, hidden, generator=g) * 2.0 ** -8  # e4m3 subnormals
+    s[5] = torch.tensor([1.0, 1e4])  # tiny ratio: the gate flushes to (signed) zero
+    s[6] = torch.tensor([0.5, 0.5000001])  # ratio one ulp below 1
+    s[7] = torch.tensor([1e-12, 2e-12])
+    q = w.to(FP8_DTYPE)  # already on the e4m3 grid with its own scales
+    return q, s
 
 
-def test_quantize_pieces_refuses_mismatched_pieces():
-    a = torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE)
-    dst = torch.zeros(3, 4, dtype=FP8_DTYPE, device=DEVICE)
-    with pytest.raises(ValueError, match="one size"):
-        requant.quantize_pieces_([(a, dst, 0, None)])
+@pytest.mark.parametrize("experts", [list(range(8)), [0], [5], [7], [1, 3, 6], [6, 1, 3], [2, 3, 4], [0, 7]],
+                         ids=["all", "first", "one", "last", "some", "unsorted", "a-run", "ends"])
+@pytest.mark.parametrize("merge", [True, False], ids=["merge", "no-merge"])
+def test_requantize_edge_cases_match_the_torch_path(experts, merge):
+    """One launch writes the halves and then the scales (the last program's ticket): the
+    torch path's bytes on every edge case, any subset of slots, in any order."""
+    q, s = fp8_edge_w13(8, 16, 64)
+    idx = torch.tensor(experts)
+    a13, a2 = torch.rand(8) + 0.5, torch.rand(8) + 0.5
+    raw13, raw2 = torch.rand(8), torch.rand(8)
+    want = [t.clone() for t in (q, s, a13, raw13, a2, raw2)]
+    if merge:
+        ops.merge_input_scales_(want[2], want[3], idx)
+        ops.merge_input_scales_(want[4], want[5], idx)
+    ops.requantize_w13_to_expert_max_(want[0], want[1], idx, 16)
+    got = [t.to(DEVICE) for t in (q, s, a13, raw13, a2, raw2)]
+    requant.requantize_w13_(got[0], got[1], experts, ((got[2], got[3]), (got[4], got[5])) if merge else None)
+    for name, a, b in zip(("w13", "w13_scale", "a13", "a13 raw", "a2", "a2 raw"), want, got):
+        assert_bitwise_equal(a, b.cpu(), f"{name} {experts=} {merge=}")
+    # and again: the ticket counter was reset, the second launch changes nothing
+    requant.requantize_w13_(got[0], got[1], experts, ((got[2], got[3]), (got[4], got[5])) if merge else None)
+    assert_bitwise_equal(want[0], got[0].cpu(), "w13 processed twice")
+
+
+def bf16_experts(slots, inter, hidden, seed):
+    g = torch.Generator().manual_seed(seed)
+    return {s: {n: (torch.randn(*shape, generator=g) * (s + 1)).to(torch.bfloat16)
+                for n, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter)))}
+            for s in slots}
+
+
+def test_quantize_experts_edge_cases_match_the_torch_path():
+    """All-zero pieces (the smallest scale), a huge value, +-0, subnormal-sized inputs,
+    the amax in the up half: the torch path's bytes, one expert (arguments) and several
+    (a table)."""
+    e, inter, hidden = 6, 32, 64
+    staged = bf16_experts([0, 1, 2, 3, 5], inter, hidden, seed=2)
+    staged[1]["w2"].zero_()
+    staged[1]["w1"].zero_()
+    staged[1]["w3"].zero_()
+    staged[2]["w1"][0, 0] = float("1e30")
+    staged[2]["w3"][:, :2] = -0.0
+    staged[3] = {n: t * 2.0 ** -120 for n, t in staged[3].items()}
+    staged[5]["w3"][3, 3] = -1e4
+    for slots in ([0, 1, 2, 3, 5], [2], [5], [3, 1]):
+        g = torch.Generator().manual_seed(9)
+        w13 = quantize_static(torch.randn(e, 2 * inter, hidden, generator=g), 0.01)
+        w2 = quantize_static(torch.randn(e, hidden, inter, generator=g), 0.01)
+        s13, s2 = torch.rand(e, 2, generator=g), torch.rand(e, generator=g)
+        want = [t.clone() for t in (w13, s13, w2, s2)]
+        ops.quantize_staged_experts_(*want, {s: staged[s] for s in slots})  # CPU: torch
+        got = [t.to(DEVICE) for t in (w13, s13, w2, s2)]
+        ops.quantize_staged_by_address_(*got, {s: {n: t.to(DEVICE) for n, t in staged[s].items()}
+                                               for s in slots}, slots)
+        for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
+            assert_bitwise_equal(a, b.cpu(), f"{name} {slots=}")
+
+
+def test_quantize_staged_refuses_mismatched_pieces():
+    w13 = torch.zeros(2, 8, 4, dtype=FP8_DTYPE, device=DEVICE)
+    w2 = torch.zeros(2, 4, 4, dtype=FP8_DTYPE, device=DEVICE)
+    s13, s2 = torch.ones(2, 2, device=DEVICE), torch.ones(2, device=DEVICE)
+    bad = {0: {"w1": torch.zeros(3, 4, dtype=torch.bfloat16, device=DEVICE),
+               "w3": torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE),
+               "w2": torch.zeros(4, 4, dtype=torch.bfloat16, device=DEVICE)}}
+    with pytest.raises(ValueError, match="another size"):
+        ops.quantize_staged_by_address_(w13, s13, w2, s2, bad, [0])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the dispatch runs Triton there)")
@@ -122,9 +174,7 @@ def test_quantize_staged_by_address_matches_the_torch_path(seed, where):
     g = torch.Generator().manual_seed(seed)
     e, inter, hidden = 6, 32, 64
     slots = [1, 2, 5]
-    staged = {s: {n: (torch.randn(*shape, generator=g) * (s + 1)).to(torch.bfloat16)
-                  for n, shape in (("w1", (inter, hidden)), ("w3", (inter, hidden)), ("w2", (hidden, inter)))}
-              for s in slots}
+    staged = bf16_experts(slots, inter, hidden, seed)
     w13 = quantize_static(torch.randn(e, 2 * inter, hidden, generator=g), 0.01)
     w2 = quantize_static(torch.randn(e, hidden, inter, generator=g), 0.01)
     s13, s2 = torch.rand(e, 2, generator=g), torch.rand(e, generator=g)
@@ -137,3 +187,65 @@ def test_quantize_staged_by_address_matches_the_torch_path(seed, where):
     ops.quantize_staged_by_address_(*got, moved, slots)
     for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
         assert_bitwise_equal(a, b.cpu(), name)
+
+
+class _Counted:
+    """A Triton kernel whose launches are counted (works compiled and interpreted)."""
+
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
+
+    def __getitem__(self, grid):
+        self.launches.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
+        return self.kernel[grid]
+
+
+class _TorchCalls(torch.overrides.TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+# what would cost a device launch, a host-to-device copy or a sync if it ran on a GPU
+DEVICE_WORK = {"item", "tolist", "cpu", "pin_memory", "to", "copy_", "empty", "zeros", "tensor", "fill_",
+               "index_select", "index_copy_", "amax", "max", "clone", "contiguous"}
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
+    """One reloaded expert: fp8 one launch, bf16 two (amax, quantize) plus the scratch of
+    block maxima; no host-to-device table, no sync, no torch op in between."""
+    launches: list = []
+    for name in ("_requant_w13_kernel", "_expert_amax_kernel", "_expert_quant_kernel"):
+        monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
+    monkeypatch.setattr(ops, "on_triton", lambda t: True)
+    e, inter, hidden = 4, 16, 32
+    if kind == "fp8":
+        q, s = fp8_w13(e, inter, hidden)
+        args = [t.to(DEVICE) for t in (q, s, torch.rand(e), torch.rand(e), torch.rand(e), torch.rand(e))]
+
+        def process(slots):
+            ops.process_fp8_experts_(args[0], args[1], slots, inter, ((args[2], args[3]), (args[4], args[5])))
+    else:
+        w = [torch.zeros(e, 2 * inter, hidden, dtype=FP8_DTYPE, device=DEVICE),
+             torch.ones(e, 2, device=DEVICE),
+             torch.zeros(e, hidden, inter, dtype=FP8_DTYPE, device=DEVICE), torch.ones(e, device=DEVICE)]
+        staged = {s: {n: t.to(DEVICE) for n, t in p.items()}
+                  for s, p in bf16_experts(range(e), inter, hidden, 5).items()}
+
+        def process(slots):
+            ops.quantize_staged_experts_(*w, {s: staged[s] for s in slots})
+    process([1])  # first call: the layer's facts cached
+    launches.clear()
+    with _TorchCalls() as calls:
+        process([2])
+    assert len(launches) == (1 if kind == "fp8" else 2), launches
+    extra = [n for n in calls.names if n in DEVICE_WORK]
+    assert extra == ([] if kind == "fp8" else ["empty"]), extra
+    launches.clear()
+    process([0, 3])  # several experts: still one (fp8) or two (bf16) launches
+    assert len(launches) == (1 if kind == "fp8" else 2), launches

@@ -111,12 +111,10 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         # reload ends): device memory then holds one processing chunk, not every expert.
         layer.staged.setdefault(slot, {})[shard_id] = loaded
 
-    def _scope(self, layer) -> torch.Tensor:
+    def _scope(self, layer) -> list[int]:
         if self.process_all_experts:
-            ids = range(layer.num_local_experts)
-        else:
-            ids = sorted(layer.loaded_experts)
-        return torch.tensor(list(ids), dtype=torch.long)
+            return list(range(layer.num_local_experts))
+        return sorted(layer.loaded_experts)
 
     def process_weights_after_loading(self, layer) -> None:
         if self.fp8_checkpoint:

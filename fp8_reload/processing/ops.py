@@ -85,14 +85,12 @@ def requantize_w13_to_expert_max_(w13: torch.Tensor, w13_scale: torch.Tensor,
     scale already is the max is left untouched (exact identity), so processing an
     expert twice changes nothing.
     """
-    if experts.numel() == 0:
-        return
-    e_all, rows, hidden = w13.shape
-    if rows != 2 * shard_size:
-        raise ValueError(f"w13 has {rows} rows, not gate + up of {shard_size} each")
-    if on_triton(w13):
-        _requant().requantize_w13_(w13, w13_scale, experts.tolist())
-        return
+    process_fp8_experts_(w13, w13_scale, experts, shard_size)
+
+
+def _requantize_torch_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: torch.Tensor,
+                       shard_size: int) -> None:
+    rows, hidden = w13.shape[1:]
     experts = experts.to(w13.device)
     for idx in chunks(experts, rows * hidden * 4):
         s = w13_scale.index_select(0, idx)  # [k, 2]
@@ -116,10 +114,6 @@ def quantize_experts_(w: torch.Tensor, scale: torch.Tensor, experts: torch.Tenso
     One dynamic per-tensor scale per expert (amax / 448), written into
     ``scale[experts]`` in place: every column of a ``[E, 2]`` scale gets it.
     """
-    if on_triton(w) and values.is_cuda and values.dtype == torch.bfloat16:
-        _requant().quantize_pieces_([(values[k].contiguous(), w[e], k, scale[e].view(-1))
-                                     for k, e in enumerate(experts.tolist())])
-        return
     s = amax_scale(values, dims=tuple(range(1, values.dim())))  # [k]
     q = quantize_static(values, s.view(-1, *([1] * (values.dim() - 1))))
     idx = experts.to(w.device)
@@ -144,46 +138,51 @@ def merge_input_scales_(param: torch.Tensor, raw: torch.Tensor,
     param.fill_(raw.max())
 
 
-def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: torch.Tensor,
+def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: torch.Tensor | list[int],
                          shard_size: int, input_scales=None) -> None:
     """The whole processing of an FP8-checkpoint MoE layer's listed experts: the static
     input scales merged (`merge_input_scales_` of each ``(param, raw)`` in
-    `input_scales`), then `requantize_w13_to_expert_max_`. Two launches on Triton."""
-    if on_triton(w13) and experts.numel():
-        if w13.shape[1] != 2 * shard_size:
-            raise ValueError(f"w13 has {w13.shape[1]} rows, not gate + up of {shard_size} each")
-        _requant().requantize_w13_(w13, w13_scale, experts.tolist(), input_scales)
+    `input_scales`), then `requantize_w13_to_expert_max_`. One launch on Triton (one
+    reloaded expert costs that launch's host time: keep Python out of this path)."""
+    ids = experts if isinstance(experts, list) else experts.tolist()
+    if ids and w13.shape[1] != 2 * shard_size:
+        raise ValueError(f"w13 has {w13.shape[1]} rows, not gate + up of {shard_size} each")
+    if ids and on_triton(w13):
+        _requant().requantize_w13_(w13, w13_scale, ids, input_scales)
         return
+    idx = torch.tensor(ids, dtype=torch.long)
     for param, raw in input_scales or ():
-        merge_input_scales_(param, raw, experts)
-    requantize_w13_to_expert_max_(w13, w13_scale, experts, shard_size)
+        merge_input_scales_(param, raw, idx)
+    if ids:
+        _requantize_torch_(w13, w13_scale, idx, shard_size)
 
 
 def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: list[int]) -> None:
-    """Two launches per chunk of experts, the pieces' addresses computed from the layout
-    (a view per piece costs more host time than the kernels take for one expert). Pieces
+    """Two launches per chunk of experts, each expert a row of addresses computed from the
+    layout (a view per piece costs more host time than one expert's kernels take). Pieces
     on the device are read where they are; others are copied over a chunk at a time."""
-    inter, hidden = w13.shape[1] // 2, w13.shape[2]
-    numel = inter * hidden
+    numel = w13.shape[1] // 2 * w13.shape[2]
+    dev = w13.get_device()
+    on_device = True
     for s in slots:
-        if any(t.numel() != numel or not t.is_contiguous() for t in staged[s].values()):
-            raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size")
-    on_device = all(t.device == w13.device for s in slots for t in staged[s].values())
+        for t in staged[s].values():
+            if t.numel() != numel or t.dtype != torch.bfloat16 or not t.is_contiguous():
+                raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size or dtype")
+            on_device = on_device and t.get_device() == dev
     b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), w13_scale.data_ptr(), w2_scale.data_ptr()
     e13, e2, f13, f2 = w13.stride(0), w2.stride(0), 4 * w13_scale.stride(0), 4 * w2_scale.stride(0)
     cols = w13_scale.numel() // w13_scale.shape[0]
-    for idx in chunks(torch.tensor(slots), 0 if on_device else 3 * numel * 2):
-        src, dst, groups, scales, copies = [], [], [], [], []
-        for k, s in enumerate(idx.tolist()):
-            pieces = staged[s]
+    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    for i in range(0, len(slots), step):
+        rows, copies = [], []
+        for s in slots[i:i + step]:
+            p = staged[s]
             if not on_device:  # kept (`copies`) until the kernels are queued behind them
-                pieces = {n: t.to(w13.device, non_blocking=True) for n, t in pieces.items()}
-                copies.append(pieces)
-            src += [pieces["w1"].data_ptr(), pieces["w3"].data_ptr(), pieces["w2"].data_ptr()]
-            dst += [b13 + s * e13, b13 + s * e13 + numel, b2 + s * e2]
-            groups += [2 * k, 2 * k, 2 * k + 1]
-            scales += [(c13 + s * f13, cols), (0, 0), (c2 + s * f2, 1)]
-        _requant().quantize_pointers_(w13.device, numel, src, dst, groups, scales)
+                p = {n: t.to(w13.device, non_blocking=True) for n, t in p.items()}
+                copies.append(p)
+            rows.append((p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr(), b13 + s * e13,
+                         b2 + s * e2, c13 + s * f13, c2 + s * f2))
+        _requant().quantize_experts_(w13.device, numel, cols, rows)
 
 
 def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: torch.Tensor,
@@ -199,11 +198,12 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     if not slots:
         return
     inter = w13.shape[1] // 2
-    pieces_of = [t for s in slots for t in staged[s].values()]
-    # the address path assumes 1-byte FP8 weights and float32 scales (its byte offsets)
-    if (on_triton(w13) and all(t.dtype == torch.bfloat16 for t in pieces_of)
+    # the address path assumes bf16 pieces, 1-byte FP8 weights and float32 scales (its byte
+    # offsets): bf16 is the first piece's, each piece is checked there
+    if (on_triton(w13) and next(iter(staged[slots[0]].values())).dtype == torch.bfloat16
             and w13.dtype == w2.dtype == FP8_DTYPE and w13_scale.dtype == w2_scale.dtype == torch.float32
-            and all(t.is_contiguous() for t in (w13, w13_scale, w2, w2_scale))):
+            and w13.is_contiguous() and w13_scale.is_contiguous() and w2.is_contiguous()
+            and w2_scale.is_contiguous()):
         quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots)
         return
     per_expert = 2 * inter * w13.shape[2] * 4

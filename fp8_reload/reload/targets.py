@@ -42,7 +42,7 @@ def _default_loaded(param) -> bool:
     return not hasattr(param, "weight_loader")
 
 
-# bf16 experts quantized inside the stream (a device slot, then `quantize_pieces_`): off
+# bf16 experts quantized inside the stream (a device slot, then `quantize_experts_`): off
 # unless FP8_RELOAD_STREAM_QUANT=1. On the H200 it matched a fresh load on full reloads but
 # not on filtered ones (issue 13's note); until that is understood bf16 experts take their
 # loaders (staged in pinned memory, quantized by post-processing, which is verified).

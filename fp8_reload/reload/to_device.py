@@ -129,30 +129,40 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
 
 
 def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
-    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots;
-    with `checks`, their values' flags are appended ((targets, flags))."""
-    from ..kernels.triton.requant import quantize_pieces_  # needs triton: imported on use
+    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (two
+    launches per layer shape, each expert a row of addresses); with `checks`, their values'
+    flags are appended ((targets, flags))."""
+    from ..kernels.triton.requant import quantize_experts_  # needs triton: imported on use
 
     by_unit: dict = {}
     for t in chunk.targets:
         if t.kind == "quant":
             by_unit.setdefault((t.module_name, tuple(t.slots)), {})[t.shard] = t
-    pieces, group, checked = [], 0, []
+    rows_of: dict = {}
+    checked = []
     for shards in by_unit.values():
         views = {s: chunk.source(src, t) for s, t in shards.items()}
         checked += [(t, views[s]) for s, t in shards.items()]
         layer = next(iter(shards.values())).module
-        inter = layer.intermediate_size
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
-        for slot in next(iter(shards.values())).slots:
-            pieces += [(views["w1"], w13[slot, :inter], group, s13[slot]),
-                       (views["w3"], w13[slot, inter:], group, None),
-                       (views["w2"], w2[slot], group + 1, s2[slot:slot + 1])]
-            group += 2
+        numel = w2[0].numel()
+        if (any(v.dtype != torch.bfloat16 or v.numel() != numel for v in views.values())
+                or w13.dtype != torch.float8_e4m3fn or s13.dtype != torch.float32 or s2.dtype != torch.float32
+                or not all(t.is_contiguous() for t in (w13, w2, s13, s2)) or w13[0].numel() != 2 * numel):
+            raise ValueError(f"quantize-on-load: {next(iter(shards.values())).module_name}: pieces or "
+                             "weights of another size, dtype or layout")
+        cols = s13.numel() // s13.shape[0]
+        rows = rows_of.setdefault((numel, cols), [])
+        src3 = (views["w1"].data_ptr(), views["w3"].data_ptr(), views["w2"].data_ptr())
+        b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), s13.data_ptr(), s2.data_ptr()
+        for slot in next(iter(shards.values())).slots:  # FP8: one byte an element; scales 4
+            rows.append(src3 + (b13 + slot * w13.stride(0), b2 + slot * w2.stride(0), c13 + 4 * slot * cols,
+                                c2 + 4 * slot))
     if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
         checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
-    quantize_pieces_(pieces)
+    for (numel, cols), rows in rows_of.items():
+        quantize_experts_(src.device, numel, cols, rows)
 
 
 def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: WordTables,

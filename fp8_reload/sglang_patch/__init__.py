@@ -25,7 +25,7 @@ own classes, keeping the originals so `revert()` restores them exactly:
 ==============================================  =============================================
 
 The tensor math is `fp8_reload.processing`'s (`requantize_w13_to_expert_max_`,
-`quantize_experts_`, `merge_input_scales_`). Configurations the patch does not
+`quantize_staged_experts_`, `merge_input_scales_`). Configurations the patch does not
 cover (block quant, FP4 experts, ROCm, the CPU engine, FlashInfer TRT-LLM and
 HPC-ops runners, non-gated experts) keep sglang's own code paths.
 

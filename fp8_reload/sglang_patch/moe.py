@@ -16,7 +16,7 @@ import torch
 from torch.nn import Parameter
 
 from ..kernels.scales import BLOCK, collapse_w13_scale, expand_block_scales
-from ..processing.ops import chunks, merge_input_scales_, quantize_experts_, requantize_w13_to_expert_max_
+from ..processing.ops import merge_input_scales_, quantize_staged_experts_, requantize_w13_to_expert_max_
 from ..quant import FP8_DTYPE
 from .originals import original
 
@@ -136,13 +136,11 @@ def _quantize_staged(layer) -> None:
     if partial:
         raise RuntimeError(f"{layer.layer_name}: quantize-on-load: experts (local slots) {partial} "
                            "were loaded only in part; reload whole experts")
-    slots = torch.tensor(sorted(staged), dtype=torch.long)
-    for idx in chunks(slots, layer.w13_weight[0].numel() * 4):  # float32 bytes of one expert
-        chunk = idx.tolist()
-        quantize_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, idx,
-                          torch.stack([staged[s]["w13"] for s in chunk]))
-        quantize_experts_(layer.w2_weight.data, layer.w2_weight_scale.data, idx,
-                          torch.stack([staged[s]["w2"] for s in chunk]))
+    inter = layer.w13_weight.shape[1] // 2
+    quantize_staged_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, layer.w2_weight.data,
+                             layer.w2_weight_scale.data,
+                             {s: {"w1": e["w13"][:inter], "w3": e["w13"][inter:], "w2": e["w2"]}
+                              for s, e in staged.items()})
     staged.clear()
 
 
