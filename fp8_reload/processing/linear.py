@@ -170,10 +170,12 @@ class FixedFp8LinearMethod:
         if self.fp8_checkpoint:
             s = layer.weight_scale.data
             m = s.max()
-            if len(layer.logical_widths) > 1:  # one width is at the max already: no host sync
+            if len(layer.logical_widths) > 1:  # one width is at the max already
                 start = 0
                 for i, width in enumerate(layer.logical_widths):
-                    if s[i] != m:
+                    # on a device every width goes (no host sync to ask which; a width at
+                    # the max is an exact identity, see `requantize`); on a CPU those that move
+                    if not w.is_cpu or bool(s[i] != m):
                         rows = w.narrow(0, start, width)
                         by_row_blocks_(rows, rows, lambda r, old=s[i]: requantize(r, old, m))
                     start += width

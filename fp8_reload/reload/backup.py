@@ -30,6 +30,9 @@ _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # Tensors at most this big (scales, norms' small buffers) are backed up together, one
 # batched copy per dtype: on a GPU each separate copy costs a launch, whatever its size.
 SMALL_BYTES = 1 << 16
+# How far the backup's queued copies run ahead of what the commit has asked for (bytes):
+# enough that the device-to-host stream never waits for the host.
+LOOKAHEAD = 128 << 20
 # "host": copies in CPU memory (no device memory needed); "device": copies next to
 # the weights (fast on a GPU, costs `backup_bytes` of device memory).
 BACKUP_PLACES = ("host", "device")
@@ -65,8 +68,15 @@ class Backup:
         self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None, bool]] = []
         self.nbytes = 0
         self.stream = None  # the side stream the copies ran on, if any
-        self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its copies are done
-        self.slot_events: dict[tuple[int, int], torch.cuda.Event] = {}  # (id(module), slot) -> its piece's
+        self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its small copies are done
+        # the big copies planned (`_plan`), queued up to `next`; the index of the copy
+        # after which (id(module), slot or None for all of it) is backed up; their events
+        self.todo: list = []
+        self.next = 0
+        self.arena = None
+        self.due: dict[tuple[int, int | None], int] = {}
+        self.marks: set[int] = set()
+        self.recorded: dict[int, torch.cuda.Event] = {}
         # (id(module), slot or None) -> when the commit first writes it (`targets.write_order`)
         self.written: dict[tuple[int, int | None], int] = {}
         self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
@@ -80,9 +90,64 @@ class Backup:
         batched copy per dtype; then each module's reloaded slots of its big weights, one
         copy per run of adjacent slots (a view: no gather, no index to send to the
         device). With `arena` (host backups of a GPU model) they go into its pinned
-        memory as async device-to-host copies. With `stream` they run there, an event per
-        module (`event_for`) telling the writes of that module when they may start;
-        otherwise the current stream orders them before the writes."""
+        memory as async device-to-host copies. With `stream` they run there in the order
+        the commit writes (`written`), an event per module or piece (`event_for`) telling
+        the writes when they may start, and are queued as the commit asks for those
+        events, `LOOKAHEAD` bytes ahead: the commit's first copies need not wait for the
+        host to queue the whole backup. Otherwise the current stream orders them all,
+        now, before the writes."""
+        small, big = self._plan(by_piece=stream is not None)
+        sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
+        sizes += [_piece(t, r).numel() * t.element_size() for _, t, r, _ in big]
+        self.nbytes = sum(sizes)
+        if arena is not None:
+            arena.reset(sum(staging.aligned(n) for n in sizes))
+        self.arena, self.todo, self.next = arena, big, 0
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+            self.stream = stream
+            for k, (module, _, _, ends) in enumerate(big):  # (a module's last copy: its own event)
+                self.due.update(((id(module), slot), k) for slot in [*ends, None])
+            self.marks = set(self.due.values())
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for tensors in small.values():
+                flat = self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena, fresh=True)
+                at = 0
+                for t in tensors:
+                    self.copies.append((t, None, flat[at:at + t.numel()].view(t.shape)))
+                    at += t.numel()
+            if stream is not None:
+                first = torch.cuda.Event()
+                first.record(stream)
+                self.events = {id(module): first for module, *_ in self.pending}
+        self.pending = []
+        self._queue(-1 if stream is not None else len(big))
+
+    def complete(self) -> None:
+        """Queue the copies not asked for yet; the current stream waits for all of them
+        (post-processing may write what no copy of the commit did)."""
+        self._queue(len(self.todo))
+        if self.stream is not None:
+            torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
+
+    def _queue(self, upto: int) -> None:
+        """Queue the planned copies up to index `upto`, and `LOOKAHEAD` bytes beyond."""
+        ahead = 0
+        with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
+            while self.next < len(self.todo) and (self.next <= upto or ahead < LOOKAHEAD):
+                _, tensor, run, _ = self.todo[self.next]
+                piece = _piece(tensor, run)
+                self.copies.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
+                if self.next > upto:
+                    ahead += piece.numel() * piece.element_size()
+                if self.next in self.marks:
+                    self.recorded[self.next] = event = torch.cuda.Event()
+                    event.record(self.stream)
+                self.next += 1
+
+    def _plan(self, by_piece: bool) -> tuple[dict, list]:
+        """(small tensors by dtype, the big copies); `by_piece`: a FusedMoE's weights in
+        pieces (`_pieces`), and the big copies in the order the commit writes them."""
         small: dict[torch.dtype, list[torch.Tensor]] = {}
         # (module, tensor, run of slots or None, the slots whose piece ends with this copy)
         big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None, list[int]]] = []
@@ -90,7 +155,7 @@ class Backup:
         never = len(self.written)
         pieced: dict[int, list[torch.Tensor]] = {}  # id(FusedMoE) -> its weights copied in pieces
         for module, tensor, _, by_slot in self.pending:
-            if by_slot and stream is not None:
+            if by_slot and by_piece:
                 pieced.setdefault(id(module), []).append(tensor)
         for module, tensor, slots, by_slot in self.pending:
             at = len(big)
@@ -107,37 +172,9 @@ class Backup:
             else:
                 big += [(module, tensor, run, []) for run in _runs(slots)]
             when += [self.written.get((id(module), None), never)] * (len(big) - at)
-        if stream is not None:  # in the order the commit writes: each write waits for its own
+        if by_piece:  # in the order the commit writes: each write waits for its own
             big = [big[k] for k in sorted(range(len(big)), key=when.__getitem__)]
-        last = {id(module): k for k, (module, *_) in enumerate(big)}
-        if arena is not None:
-            sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
-            sizes += [_piece(t, r).numel() * t.element_size() for _, t, r, _ in big]
-            arena.reset(sum(staging.aligned(n) for n in sizes))
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(stream.device))
-            self.stream = stream
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for tensors in small.values():
-                flat = self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena, fresh=True)
-                at = 0
-                for t in tensors:
-                    self.copies.append((t, None, flat[at:at + t.numel()].view(t.shape)))
-                    at += t.numel()
-            if stream is not None:
-                first = torch.cuda.Event()
-                first.record(stream)
-                self.events = {id(module): first for module, *_ in self.pending}
-            for k, (module, tensor, run, ends) in enumerate(big):
-                self.copies.append((tensor, run, self._keep(_piece(tensor, run), arena, fresh=False)))
-                if stream is not None and (ends or last[id(module)] == k):
-                    event = torch.cuda.Event()
-                    event.record(stream)
-                    self.slot_events.update(((id(module), s), event) for s in ends)
-                    if last[id(module)] == k:
-                        self.events[id(module)] = event
-        self.nbytes = sum(c.numel() * c.element_size() for _, _, c in self.copies)
-        self.pending = []
+        return small, big
 
     def _pieces(self, module: FusedMoE, tensors: list[torch.Tensor], slots: list[int] | None) -> list:
         """[(piece, copies)]: a FusedMoE's expert weights at `slots` (None: all), about
@@ -169,13 +206,16 @@ class Backup:
 
     def event_for(self, module: nn.Module, slot: int | None = None):
         """The event after which `module` (with `slot`: that expert slot of it) may be
-        overwritten; None when the copies were ordered on the current stream (or not on
-        a GPU) or `module` is not backed up."""
-        if slot is not None:
-            event = self.slot_events.get((id(module), slot))
-            if event is not None:
-                return event
-        return self.events.get(id(module))
+        overwritten, its copies queued now if they were not yet; None when the copies
+        were ordered on the current stream (or not on a GPU) or `module` is not backed up."""
+        k = self.due.get((id(module), slot))
+        if k is None:
+            k = self.due.get((id(module), None))
+        if k is None:
+            return self.events.get(id(module))
+        if k >= self.next:
+            self._queue(k)
+        return self.recorded[k]
 
     def capture(self, module: nn.Module, slots: list[int] | None) -> None:
         params = dict(module._parameters)

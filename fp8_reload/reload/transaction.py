@@ -234,6 +234,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                         if streaming:
                             progress.doing = "streaming weights into place"
                             touched = commit(model, prepared, stats, wait_for=saved.event_for)
+                            saved.complete()  # what processing writes is backed up before it
                         else:
                             touched = model.load_weights(progress.loading(staged))
                     if not streaming:
