@@ -9,14 +9,14 @@ address table built on the host (one copy to the device).
 Work is cut into programs of `span` blocks, never across rows; `owner` maps each
 program to its row (as `value_check` does). A row whose ends are 16-byte aligned and
 whose length is whole 32-bit words moves as words, whole blocks unmasked (16-byte
-vectors); any other row (4-byte scales at odd offsets) moves byte by byte.
+vectors); any other row (4-byte scales at odd offsets) moves byte by byte, 1 KiB a step.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .runtime import check_device, device_ints, tl, triton
+from .runtime import INTERPRET, check_device, device_ints, tl, triton
 
 WORDS = 4096  # 32-bit words (16 KiB) per block
 BLOCK_BYTES = 4 * WORDS
@@ -25,7 +25,7 @@ MAX_PROGRAMS = 1 << 15  # the owner table's length, whatever the batch's size
 
 
 @triton.jit
-def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr):
+def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr, BYTES: tl.constexpr):
     pid = tl.program_id(0)
     r = tl.load(table_ptr + 5 * n + pid)
     src = tl.load(table_ptr + r)
@@ -48,9 +48,10 @@ def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr):
                 s = src.to(tl.pointer_type(tl.uint32))
                 d = dst.to(tl.pointer_type(tl.uint32))
                 tl.store(d + offs, tl.load(s + offs, mask=ok), mask=ok)
-    else:
-        for b in range(b0, b1):
-            offs = b * (4 * WORDS) + tl.arange(0, 4 * WORDS)
+    else:  # bytes, BYTES at a time (a block's worth of bytes would take many registers)
+        steps = 4 * WORDS // BYTES
+        for c in range(b0 * steps, tl.minimum(b1 * steps, (nbytes + BYTES - 1) // BYTES)):
+            offs = c * BYTES + tl.arange(0, BYTES)
             ok = offs < nbytes
             s = src.to(tl.pointer_type(tl.uint8))
             d = dst.to(tl.pointer_type(tl.uint8))
@@ -74,4 +75,5 @@ def copy_rows_(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, devic
     owner = torch.repeat_interleave(torch.arange(n), per)
     aligned = ((src % 16 == 0) & (dst % 16 == 0) & (nbytes % 4 == 0)).long()
     table = device_ints(torch.cat([src, dst, nbytes, aligned, per.cumsum(0) - per, owner]), device)
-    _copy_rows_kernel[(owner.numel(),)](table, n, span, WORDS=WORDS)
+    opts = {} if INTERPRET else {"num_warps": 8}
+    _copy_rows_kernel[(owner.numel(),)](table, n, span, WORDS=WORDS, BYTES=1024, **opts)
