@@ -110,10 +110,12 @@ CKPT=$(grep -E '^/' "$LOG" | tail -n 1)
 
 step bench 200 $PY benchmarks/rebalance.py --repeat 5 --json "$OUT/rebalance_bench.json"
 
-step speed 150 env FP8_RELOAD_BENCH_MOVED=32 FP8_RELOAD_BENCH_SOURCES=p2p \
+# 32 experts/layer on the GPUs; the CPU dry run's small preset has room for 8 (REBALANCE_SPEED_MOVED)
+if [ "$BACKEND" = nccl ]; then SPEED_MOVED=${REBALANCE_SPEED_MOVED:-32}; else SPEED_MOVED=${REBALANCE_SPEED_MOVED:-8}; fi
+step speed 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p \
   $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed.json"
 
-step speed-torch 150 env FP8_RELOAD_BENCH_MOVED=32 FP8_RELOAD_BENCH_SOURCES=p2p FP8_RELOAD_REBALANCE_COPY=torch \
+step speed-torch 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p FP8_RELOAD_REBALANCE_COPY=torch \
   $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed_torch.json"
 
 step ep-balance 120 $PY benchmarks/ep_forward.py --json "$OUT/ep_balance.json" --plot "$OUT/ep_balance.png"

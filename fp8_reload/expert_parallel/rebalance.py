@@ -209,10 +209,11 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         moves = plan_moves(mover, mine, comm)
         try:
             mover.gather(moves.sends)  # first: the exchange starts sooner
+            moves.to_wire()
         except Exception as e:  # still take part in the exchange, then fail together
             error = e
         t = timer.mark("stage", t)
-        works = _post_exchange(moves.send_bufs, moves.recv_bufs, group)
+        works = _post_exchange(moves.wire_send, moves.wire_recv, group)
         report.bytes_sent = moves.payload(moves.sends, mover)
         report.bytes_received = moves.payload(moves.received, mover)
         report.bytes_local = moves.local_bytes
@@ -298,6 +299,7 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
     t = timer.mark("exchange", t)
     try:
         if error is None:
+            moves.from_wire()
             mover.scatter(moves.received + moves.local_in)
             for lid in mine.changed:
                 layer = layers[lid]

@@ -184,6 +184,20 @@ class Moves:
     backup: list[Run]
     restore: list[Run]
     local_bytes: int
+    wire_send: dict[int, torch.Tensor]  # what the exchange posts: the buffers themselves, or
+    wire_recv: dict[int, torch.Tensor]  # host copies where the group (gloo) cannot reach the GPU
+
+    def to_wire(self) -> None:
+        """The packed send buffers into the posted ones (when they differ)."""
+        for p, buf in self.send_bufs.items():
+            if self.wire_send[p] is not buf:
+                self.wire_send[p].copy_(buf)
+
+    def from_wire(self) -> None:
+        """The received bytes into the buffers the commit scatters from (when they differ)."""
+        for p, buf in self.recv_bufs.items():
+            if self.wire_recv[p] is not buf:
+                buf.copy_(self.wire_recv[p])
 
     def payload(self, runs: list[Run], mover: RowMover) -> int:
         """Bytes of slot state in `runs` (a buffer also holds the runs' alignment padding)."""
@@ -209,9 +223,10 @@ def _lay_out(mover: RowMover, runs, device) -> tuple[torch.Tensor, list[tuple[in
     return torch.empty(off, dtype=torch.uint8, device=device), placed
 
 
-def plan_moves(mover: RowMover, mine, device) -> Moves:
-    """The buffers (send and receive per peer on the communication `device`, local and
-    backup on the model's) and runs of rank plan `mine`."""
+def plan_moves(mover: RowMover, mine, wire) -> Moves:
+    """The buffers (on the model's device; send and receive ones mirrored on `wire`, the
+    communication device, if it is another) and runs of rank plan `mine`."""
+    device = mover.device
     slots_of: dict[int, dict[int, list[int]]] = {}  # layer -> new expert -> the slots it fills
     for lid, changed in mine.changed.items():
         for s in sorted(changed):
@@ -241,12 +256,11 @@ def plan_moves(mover: RowMover, mine, device) -> Moves:
         recv_bufs[peer] = buf
         received += [filling(lid, buf, off, experts) for lid, experts, off in placed]
 
-    model_device = mover.device
     here = [(lid, [(e, f.src_slot) for e, f in sorted(mine.fetch[lid].items())
                    if f.source == "local"]) for lid in mine.fetch]
     here = [(lid, pairs) for lid, pairs in here if pairs]
     buf, placed = _lay_out(mover, [(lid, [s for _, s in pairs]) for lid, pairs in here],
-                           model_device)
+                           device)
     local = [Run(lid, slots, buf, off, len(slots)) for lid, slots, off in placed]
     local_in = [filling(lid, buf, off, [e for e, _ in pairs])
                 for (lid, slots, off), (_, pairs) in zip(placed, here)]
@@ -254,7 +268,14 @@ def plan_moves(mover: RowMover, mine, device) -> Moves:
 
     rest = [(lid, [s for s in sorted(changed) if (lid, s) not in kept])
             for lid, changed in mine.changed.items()]
-    buf, placed = _lay_out(mover, [(lid, slots) for lid, slots in rest if slots], model_device)
+    buf, placed = _lay_out(mover, [(lid, slots) for lid, slots in rest if slots], device)
     backup = [Run(lid, slots, buf, off, len(slots)) for lid, slots, off in placed]
+    wire = torch.device(wire)
+
+    def mirror(bufs):
+        same = wire.type == device.type and wire.index in (None, device.index)
+        return dict(bufs) if same else {p: torch.empty(b.numel(), dtype=torch.uint8, device=wire)
+                                        for p, b in bufs.items()}
+
     return Moves(send_bufs, recv_bufs, sends, received, local, local_in, backup, restore + backup,
-                 local_bytes)
+                 local_bytes, mirror(send_bufs), mirror(recv_bufs))
