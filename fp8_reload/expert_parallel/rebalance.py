@@ -51,7 +51,7 @@ from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import MODES, RebalancePlan
 from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
-from .transfer import Moves, RowMover, plan_moves
+from .transfer import Moves, RowMover, Run, plan_moves
 
 
 @dataclass
@@ -300,7 +300,8 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
     try:
         if error is None:
             moves.from_wire()
-            mover.scatter(moves.received + moves.local_in)
+            write_slots(mover, moves.local_in)
+            write_slots(mover, moves.received)
             for lid in mine.changed:
                 layer = layers[lid]
                 refresh_merged_input_scales(layer)
@@ -312,6 +313,13 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
         error = e
     timer.mark("commit", t)
     return error
+
+
+def write_slots(mover: RowMover, runs: list[Run]) -> None:
+    """One batch of the commit's writes (every layer's local copies, then every received
+    row): between two batches a layer is half moved, which the weights lock hides from
+    forwards (the tests pause here to check it)."""
+    mover.scatter(runs)
 
 
 def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
