@@ -18,14 +18,16 @@ Each rank holds its share of the experts (a `Placement`, loaded with
    scales (``w*_input_scale_per_expert[s]``). Each pair of ranks exchanges one
    packed buffer per direction in one `batch_isend_irecv`; disk experts are
    read meanwhile with a filtered `update_weights_from_disk` through the new
-   slot maps.
+   slot maps. Rows of every layer are packed and unpacked by a `RowMover`
+   (`transfer`): on a GPU one Triton launch per batch, whatever the layers.
 4. **Commit.** Rows are written in place into the existing Parameters of the
    changed slots (objects and loader attributes kept), the layer-max input
    scales are recomputed from the raw per-expert scales exactly as a fresh
    load does, `weights_version` is bumped and forward caches dropped.
 5. **Finish together.** Ranks all-gather their outcome. If any rank failed,
-   every rank restores its changed slots from a backup taken before the
-   commit and raises `RebalanceError`; the model and placement are as before.
+   every rank restores its changed slots (from the send buffers that hold
+   their old rows, the rest from a backup taken before the commit) and raises
+   `RebalanceError`; the model and placement are as before.
 
 After a successful rebalance each rank's state equals a fresh `load_model` of
 that rank under the new placement, bit for bit (tests check it on every rank).
