@@ -132,6 +132,12 @@ class _Timed:
     timeout = 900
 
 
+def _phase_kw(bench) -> dict:
+    """Per-phase device times only when asked (they cost a wait per phase; older commits'
+    pools take no such argument)."""
+    return {"phase_times": True} if getattr(bench, "phase_times", False) else {}
+
+
 class Rebalance(_Timed):
     """Wall time of one collective rebalance across the ranks (lower is better)."""
 
@@ -154,7 +160,7 @@ class Rebalance(_Timed):
         self.pool, self.new, self.mode, self.exclude = pool, new, mode, exclude
 
     def time_rebalance(self, moved, source, layers):
-        self.last = self.pool.rebalance(self.new, self.mode, self.exclude)
+        self.last = self.pool.rebalance(self.new, self.mode, self.exclude, **_phase_kw(self))
 
 
 class ContiguousExchange(_Timed):
@@ -189,7 +195,7 @@ class WholeModelRebalance(_Timed):
         self.pool = pool
 
     def time_rebalance(self, moved):
-        self.last = self.pool.rebalance(self.new, "p2p")
+        self.last = self.pool.rebalance(self.new, "p2p", **_phase_kw(self))
 
 
 class WholeModelExchange(_Timed):

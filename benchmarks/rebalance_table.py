@@ -42,11 +42,15 @@ from benchmarks.rebalance import LAYERS, MOVED, SOURCES, WHOLE_MOVED, resident_f
 TARGET_MS_PER_LAYER = 2.0  # 32 experts per layer on 2xH200
 TARGET_SHARE_OF_BOUND = 0.5
 PHASES = ("agree", "plan", "stage", "wait", "disk", "exchange", "commit", "outcome")
+# The timed samples never wait per phase (`rebalance(phase_times=False)`): their phases are
+# host time; the phase split of the device time comes from extra samples (--phase-repeat).
 
 
-def _samples(bench, args, repeat: int, timed, source: str = "") -> dict:
-    """Median / min driver seconds and median slowest-rank seconds over `repeat` samples."""
-    driver, ranks, phases, resident = [], [], {}, []
+def _samples(bench, args, repeat: int, timed, source: str = "", phase_repeat: int = 0) -> dict:
+    """Median / min driver seconds and median slowest-rank seconds over `repeat` samples,
+    then, for a rebalance, `phase_repeat` more with a device wait after each phase: their
+    median phases split the device time (the timed samples' phases are the host's)."""
+    driver, ranks, host, phases, resident = [], [], {}, {}, []
     for i in range(repeat):
         if i:
             bench.setup(*args)
@@ -58,24 +62,39 @@ def _samples(bench, args, repeat: int, timed, source: str = "") -> dict:
         last = bench.last
         if isinstance(last[0], dict):  # a rebalance: {"wall_s", "report"} per rank
             ranks.append(max(r["wall_s"] for r in last))
-            for r in last:
-                for k, v in r["report"].seconds.items():
-                    phases.setdefault(k, []).append(v)
+            _add_phases(host, last)
         else:  # an exchange: [seconds] per rank
             ranks.append(max(t[0] for t in last))
+    if phase_repeat and isinstance(bench.last[0], dict):
+        bench.phase_times = True
+        try:
+            for _ in range(phase_repeat):
+                bench.setup(*args)
+                timed(*args)
+                _add_phases(phases, bench.last)
+        finally:
+            bench.phase_times = False
+    med = lambda d: {k: statistics.median(v) for k, v in d.items()}  # noqa: E731
     return {"median_s": statistics.median(driver), "min_s": min(driver), "max_s": max(driver),
             "rank_median_s": statistics.median(ranks), "rank_min_s": min(ranks),
-            "phases_median_s": {k: statistics.median(v) for k, v in phases.items()},
+            "phases_median_s": med(phases or host), "host_phases_median_s": med(host),
             "resident_after_evict": statistics.median(resident) if resident else None}
 
 
-def _row(bench, timed, args, repeat, **fields) -> dict | None:
+def _add_phases(into: dict, last: list) -> None:
+    for r in last:
+        for k, v in r["report"].seconds.items():
+            into.setdefault(k, []).append(v)
+
+
+def _row(bench, timed, args, repeat, phase_repeat=0, **fields) -> dict | None:
     try:
         bench.setup(*args)
     except NotImplementedError as e:
         print(f"  skip {fields}: {e}", flush=True)
         return None
-    row = {**fields, "repeat": repeat, **_samples(bench, args, repeat, timed, fields.get("source", ""))}
+    row = {**fields, "repeat": repeat, **_samples(bench, args, repeat, timed, fields.get("source", ""),
+                                                  phase_repeat)}
     reps = [r["report"] for r in bench.last] if isinstance(bench.last[0], dict) else []
     row["bytes_per_rank"] = (max(r.bytes_received + r.bytes_disk for r in reps) if reps
                              else bench.nbytes)
@@ -85,7 +104,8 @@ def _row(bench, timed, args, repeat, **fields) -> dict | None:
 
 
 HEADER = (f"{'moved/layer':>11} {'layers':>6} {'source':<10} {'MiB/rank':>9} {'ms':>8} "
-          f"{'rank ms':>8} {'GB/s':>6} {'bound ms':>9} {'of bound':>8}  phases (median, ms)")
+          f"{'rank ms':>8} {'GB/s':>6} {'bound ms':>9} {'of bound':>8}  phases (device, a wait "
+          "after each; median ms)")
 
 
 def format_row(row: dict) -> str:
@@ -95,12 +115,17 @@ def format_row(row: dict) -> str:
     note = f"  [{cold:.0%} cached after evict]" if cold is not None and cold >= 0 else ""
     bound = row.get("bound_rank_median_s")
     bound_s = f"{bound * 1e3:>9.3f} {bound / row['rank_median_s']:>8.0%}" if bound else f"{'':>18}"
-    return (f"{row['experts_moved_per_layer']:>11} {row['layers']:>6} {row['source']:<10} "
+    line = (f"{row['experts_moved_per_layer']:>11} {row['layers']:>6} {row['source']:<10} "
             f"{row['bytes_per_rank'] / 2**20:>9.1f} {row['median_s'] * 1e3:>8.2f} "
             f"{row['rank_median_s'] * 1e3:>8.3f} {row['gb_per_s']:>6.1f} {bound_s}  {phases}{note}")
+    host = row.get("host_phases_median_s") or {}
+    if host and host is not ph and host != ph:
+        line += "\n" + " " * 12 + "host (timed runs, no waits), ms: " + " ".join(
+            f"{k} {host[k] * 1e3:.2f}" for k in (*PHASES, "total") if k in host)
+    return line
 
 
-def table(repeat: int) -> list[dict]:
+def table(repeat: int, phase_repeat: int = 0) -> list[dict]:
     rows = []
     reb, ex = rb.Rebalance(), rb.ContiguousExchange()
     for layers in LAYERS:
@@ -110,7 +135,7 @@ def table(repeat: int) -> list[dict]:
                 bound = _row(ex, ex.time_exchange, (moved, layers), repeat,
                              experts_moved_per_layer=moved, layers=layers, source="contiguous")
             for source in SOURCES:
-                row = _row(reb, reb.time_rebalance, (moved, source, layers), repeat,
+                row = _row(reb, reb.time_rebalance, (moved, source, layers), repeat, phase_repeat,
                            experts_moved_per_layer=moved, layers=layers, source=source)
                 if row is None:
                     continue
@@ -122,14 +147,14 @@ def table(repeat: int) -> list[dict]:
     return rows
 
 
-def whole_table(repeat: int) -> list[dict]:
+def whole_table(repeat: int, phase_repeat: int = 0) -> list[dict]:
     rows = []
     reb, ex = rb.WholeModelRebalance(), rb.WholeModelExchange()
     for moved in WHOLE_MOVED:
         bound = _row(ex, ex.time_exchange, (moved,), repeat, experts_moved_per_layer=moved,
                      layers="whole", source="contiguous")
-        row = _row(reb, reb.time_rebalance, (moved,), repeat, experts_moved_per_layer=moved,
-                   layers="whole", source="p2p")
+        row = _row(reb, reb.time_rebalance, (moved,), repeat, phase_repeat,
+                   experts_moved_per_layer=moved, layers="whole", source="p2p")
         if row is None:
             continue
         if bound is not None:
@@ -165,6 +190,16 @@ def headline(rows: list[dict], whole_layers: int) -> list[str]:
     return out
 
 
+def copy_path(device: str) -> str:
+    """How the ranks move rows: the Triton kernel or torch gathers (older commits: torch)."""
+    try:
+        from fp8_reload.expert_parallel.transfer import use_kernel
+    except ImportError:
+        return "torch gathers (no copy kernel in this commit)"
+    return "one Triton copy_rows_ launch per batch" if use_kernel(torch.device(device)) \
+        else "torch gathers / scatters per slot tensor and layer"
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--repeat", type=int, default=5)
@@ -172,6 +207,9 @@ def main(argv=None) -> int:
     p.add_argument("--checkpoint-only", action="store_true",
                    help="write (or find) the benchmark checkpoint, print its path, exit")
     p.add_argument("--no-whole", action="store_true", help="skip the whole-model rows")
+    p.add_argument("--phase-repeat", type=int, default=3,
+                   help="extra samples per rebalance row with a device wait after each phase "
+                        "(the phase split; 0: the timed samples' host phases)")
     args = p.parse_args(argv)
     if args.checkpoint_only:
         print(bench_checkpoint())
@@ -181,9 +219,10 @@ def main(argv=None) -> int:
     print(f"rebalance benchmark: {WORLD} ranks, {BACKEND} on {', '.join(map(str, pool.devices))}; "
           f"{SPEC} = {len(cfg.moe_layers)} MoE layer(s) x {cfg.num_experts} experts "
           f"(H {cfg.hidden_size}, I {cfg.moe_intermediate_size}), {pool.start.slots_per_rank} "
-          f"slots/rank, {KIND} checkpoint at {pool.checkpoint}", flush=True)
+          f"slots/rank, {KIND} checkpoint at {pool.checkpoint}; rows moved by "
+          f"{copy_path(pool.devices[0])}", flush=True)
     print(HEADER, flush=True)
-    rows = table(args.repeat)
+    rows = table(args.repeat, args.phase_repeat)
     for r in rows:
         r["moe_layers"] = len(cfg.moe_layers)
     close_pools()
@@ -195,9 +234,10 @@ def main(argv=None) -> int:
               f"{whole_cfg.num_experts} experts, filled on the device in "
               f"{time.perf_counter() - t0:.1f} s (no checkpoint; every slot checked after each "
               "move)", flush=True)
-        rows += whole_table(args.repeat)
+        rows += whole_table(args.repeat, args.phase_repeat)
         close_pools()
     lines = headline(rows, len(whole_cfg.moe_layers))
+    print(f"rows moved by {copy_path(pool.devices[0])}:", flush=True)
     print("\n".join(lines), flush=True)
     if args.json:
         meta = {"world": WORLD, "backend": BACKEND, "spec": SPEC, "whole": WHOLE,
@@ -205,8 +245,12 @@ def main(argv=None) -> int:
                 "moe_layers": len(cfg.moe_layers), "whole_moe_layers": len(whole_cfg.moe_layers),
                 "experts": cfg.num_experts, "slots_per_rank": pool.start.slots_per_rank,
                 "expert_bytes": 3 * cfg.hidden_size * cfg.moe_intermediate_size,
+                "copy_path": copy_path(pool.devices[0]),
                 "headline": lines}
         Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    if not lines:
+        print("no p2p row that moves experts ran (see the skips above)", flush=True)
+        return 1
     return 0
 
 

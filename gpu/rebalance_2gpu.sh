@@ -3,13 +3,23 @@
 #
 #   OUT=/tmp/out bash gpu/rebalance_2gpu.sh          (from the repo root)
 #   REBALANCE_BACKEND=gloo bash gpu/rebalance_2gpu.sh  (dry run on a CPU box: gloo, small models)
+#   REBALANCE_STEPS="env copy-test checkpoint speed speed-torch" bash gpu/rebalance_2gpu.sh
+#                                              (only the named steps; default: all but speed-torch)
 #
 # Steps (each under a timeout, all under one budget, REBALANCE_BUDGET_S, default 460 s):
 #  env          torch, GPUs, NCCL, peer access; NVLink multicast kept OFF
 #  cli-small    `fp8-reload rebalance`, every mode, fp8 + bf16: every rank equals a fresh load
 #               under the new placement; the EP forward before/after on a skewed routing:
 #               tokens and MoE time per rank, each rank against the single-device forward
+#  copy-test    the rebalance's row moves on the GPU: the batched copy kernel (compiled) against
+#               slices, both copy paths against pack_slots, a rollback from the send buffers
 #  checkpoint   the v2-lite:3 benchmark checkpoint (2 MoE layers of 64 V2-Lite experts)
+#  speed        the issue's rows alone: p2p, 32 experts/layer, one layer, all layers of v2-lite:3
+#               and the whole 26-layer v2-lite, each beside one contiguous transfer of the same
+#               bytes in the same run; per-phase device times from extra samples (a wait after
+#               each phase), host phase times of the timed samples (-> rebalance_speed.json)
+#  speed-torch  the same rows with the rows moved by torch gathers instead of the Triton kernel
+#               (FP8_RELOAD_REBALANCE_COPY=torch: the A/B of the copy path)
 #  bench        rebalance time vs experts moved x source x layers, each p2p row beside one
 #               contiguous NCCL transfer of the same bytes (same ranks, same run), then the
 #               whole v2-lite (26 MoE layers, filled on the device) in one rebalance
@@ -18,7 +28,7 @@
 #  cli-v2lite   `fp8-reload rebalance` on the v2-lite:3 checkpoint, p2p, local experts in Triton
 #  multinode    two `torchrun --nnodes 2` agents (one GPU each) on this host, NCCL
 #  asv          the headline benchmarks under asv (machine h200x2, gpu/rebalance_asv.sh)
-# Outputs under $OUT (8 files): rebalance_2gpu.log (everything), rebalance_nccl_small.json,
+# Outputs under $OUT: rebalance_2gpu.log (everything), rebalance_speed[_torch].json, rebalance_nccl_small.json,
 # rebalance_bench.json, ep_balance.json, ep_balance.png, rebalance_nccl_v2lite.json,
 # multinode.json, asv_h200x2.tar.gz (results/asv/h200x2 + benchmarks-h200x2.json, to commit).
 # Ends with a summary of every figure and PASS/FAIL per step. ~5-6 minutes.
@@ -46,11 +56,15 @@ PY=${PYTHON:-python3}
 BACKEND=${REBALANCE_BACKEND:-nccl}  # gloo only to dry-run this script on a CPU box
 if [ "$BACKEND" = gloo ]; then export FP8_RELOAD_BENCH_DEVICE=cpu; fi
 BUDGET=${REBALANCE_BUDGET_S:-460}  # seconds from the start; steps are cut to what is left
+STEPS=" ${REBALANCE_STEPS:-env cli-small copy-test checkpoint bench speed ep-balance cli-v2lite multinode asv} "
 declare -a SUMMARY
 FAIL=0
 
+wanted() { [[ "$STEPS" == *" $1 "* ]]; }
+
 step() {  # step NAME TIMEOUT_S CMD...: run within the budget, log, record the outcome
   local name=$1 limit=$2; shift 2
+  wanted "$name" || return 0
   local left=$(( BUDGET - ($(date +%s) - T0) ))
   if [ "$left" -lt 20 ]; then SUMMARY+=("FAIL  $name: not run, the ${BUDGET}s budget is spent"); FAIL=1; return; fi
   [ "$limit" -gt "$left" ] && limit=$left
@@ -89,10 +103,20 @@ EOF
 step cli-small 120 $PY -m fp8_reload rebalance --world-size 2 --backend "$BACKEND" --mode all \
   --kind fp8,bf16 --preset small --tokens 1024 --json "$OUT/rebalance_nccl_small.json"
 
+step copy-test 120 $PY -m pytest -q -p no:cacheprovider tests/test_rebalance_transfer.py
+
 step checkpoint 120 $PY benchmarks/rebalance.py --checkpoint-only
 CKPT=$(grep -E '^/' "$LOG" | tail -n 1)
 
 step bench 200 $PY benchmarks/rebalance.py --repeat 5 --json "$OUT/rebalance_bench.json"
+
+# 32 experts/layer on the GPUs; the CPU dry run's small preset has room for 8 (REBALANCE_SPEED_MOVED)
+if [ "$BACKEND" = nccl ]; then SPEED_MOVED=${REBALANCE_SPEED_MOVED:-32}; else SPEED_MOVED=${REBALANCE_SPEED_MOVED:-8}; fi
+step speed 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p \
+  $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed.json"
+
+step speed-torch 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p FP8_RELOAD_REBALANCE_COPY=torch \
+  $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed_torch.json"
 
 step ep-balance 120 $PY benchmarks/ep_forward.py --json "$OUT/ep_balance.json" --plot "$OUT/ep_balance.png"
 
@@ -112,7 +136,8 @@ step multinode 90 bash -c '
   done
   rc=0; for p in "${pids[@]}"; do wait $p || rc=1; done; exit $rc'
 
-if $PY -c "import asv" 2>/dev/null; then
+if ! wanted asv; then :
+elif $PY -c "import asv" 2>/dev/null; then
   step asv 220 bash gpu/rebalance_asv.sh "$OUT"
 else
   SUMMARY+=("SKIP  asv: asv is not installed here")
@@ -128,8 +153,8 @@ echo "-- rebalance benchmark (ms: per call from the driver; rank ms: slowest ran
 echo "   contiguous transfer of the same bytes by the same ranks; phases of the p2p rows below):"
 grep -E "^rebalance benchmark|^whole model|moved/layer" "$LOG" | cut -c1-160
 grep -E "^ +[0-9]+ +(1|all|whole) +(p2p|disk|hybrid|disk-cold) " "$LOG" | cut -c1-94
-grep -E "^ +[1-9][0-9]* +(1|all|whole) +p2p " "$LOG" | sed -E 's/^ +([0-9]+) +([a-z0-9]+) +p2p .*(agree .*)$/  p2p \1 moved, layers \2: \3/'
-grep -E "^p2p, " "$LOG"
+grep -E "^ +[1-9][0-9]* +(1|all|whole) +p2p |^ +host \(timed runs" "$LOG" | sed -E 's/^ +([0-9]+) +([a-z0-9]+) +p2p .*(agree .*)$/  p2p \1 moved, layers \2 (device): \3/'
+grep -E "^rows moved by|^p2p, " "$LOG"
 echo
 echo "-- EP forward balance (tokens and MoE ms per rank and layer):"
 grep -E "^EP forward benchmark|^placement|^(start|balanced) +[0-9]|^balanced: |slowest rank / mean per layer|^goal:" "$LOG"

@@ -124,11 +124,11 @@ def _pool_worker(rank, world, backend, port, checkpoint, start, conn, builder):
             if cmd == "stop":
                 break
             if cmd == "rebalance":
-                new, mode, exclude = args
+                new, mode, exclude, phase_times = args
                 dist.barrier()
                 t0 = time.perf_counter()
                 report = rebalance(model, new if rank == 0 else None, mode=mode,
-                                   exclude_sources=exclude)
+                                   exclude_sources=exclude, phase_times=phase_times)
                 conn.send(("ok", {"wall_s": time.perf_counter() - t0, "report": report}))
             elif cmd == "call":
                 fn, fargs = args
@@ -198,9 +198,11 @@ class RankPool:
             conn.send(cmd)
         return self._collect()
 
-    def rebalance(self, new: Placement, mode: str = "p2p", exclude_sources=()) -> list[dict]:
-        """Rebalance every rank to `new`; per rank ``{"wall_s", "report"}``."""
-        out = self._call("rebalance", new, mode, tuple(exclude_sources))
+    def rebalance(self, new: Placement, mode: str = "p2p", exclude_sources=(),
+                  phase_times: bool = False) -> list[dict]:
+        """Rebalance every rank to `new`; per rank ``{"wall_s", "report"}`` (`phase_times`:
+        the report's phases timed on the device, a wait after each)."""
+        out = self._call("rebalance", new, mode, tuple(exclude_sources), bool(phase_times))
         self.placement = new
         return out
 

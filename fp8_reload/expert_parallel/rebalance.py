@@ -18,14 +18,16 @@ Each rank holds its share of the experts (a `Placement`, loaded with
    scales (``w*_input_scale_per_expert[s]``). Each pair of ranks exchanges one
    packed buffer per direction in one `batch_isend_irecv`; disk experts are
    read meanwhile with a filtered `update_weights_from_disk` through the new
-   slot maps.
+   slot maps. Rows of every layer are packed and unpacked by a `RowMover`
+   (`transfer`): on a GPU one Triton launch per batch, whatever the layers.
 4. **Commit.** Rows are written in place into the existing Parameters of the
    changed slots (objects and loader attributes kept), the layer-max input
    scales are recomputed from the raw per-expert scales exactly as a fresh
    load does, `weights_version` is bumped and forward caches dropped.
 5. **Finish together.** Ranks all-gather their outcome. If any rank failed,
-   every rank restores its changed slots from a backup taken before the
-   commit and raises `RebalanceError`; the model and placement are as before.
+   every rank restores its changed slots (from the send buffers that hold
+   their old rows, the rest from a backup taken before the commit) and raises
+   `RebalanceError`; the model and placement are as before.
 
 After a successful rebalance each rank's state equals a fresh `load_model` of
 that rank under the new placement, bit for bit (tests check it on every rank).
@@ -36,7 +38,6 @@ Works with ``gloo`` on CPU and ``nccl`` on GPUs.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from collections.abc import Iterable
 from contextlib import ExitStack, suppress
 from dataclasses import dataclass, field
@@ -51,14 +52,8 @@ from ..reload import ReloadReport, generate_weight_name_filter, update_weights_f
 from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import MODES, RebalancePlan
-from .slots import (
-    RebalanceError,
-    moe_layer_map,
-    pack_slots,
-    refresh_merged_input_scales,
-    row_bytes,
-    write_slots,
-)
+from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
+from .transfer import Moves, RowMover, Run, plan_moves
 
 
 @dataclass
@@ -89,14 +84,15 @@ class RebalanceReport:
 
 
 class _Timer:
-    """Adds the time since `t0` to phase `name`, after the device finished (unless `sync`
-    is False: posting asynchronous work)."""
+    """Adds the time since `t0` to phase `name`. With `detail`, after the device finished
+    (unless `sync` is False: posting asynchronous work); by default it never waits, so a
+    phase's time is what the host spent queueing it, and only the total is the device's."""
 
-    def __init__(self, seconds: dict, device: torch.device):
-        self.seconds, self.device = seconds, device
+    def __init__(self, seconds: dict, device: torch.device, detail: bool):
+        self.seconds, self.device, self.detail = seconds, device, detail
 
     def mark(self, name: str, t0: float, sync: bool = True) -> float:
-        if sync:
+        if sync and self.detail:
             synchronize(self.device)
         t = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
@@ -161,7 +157,8 @@ def _request_status(old: Placement, new: Placement | None, mode: str) -> int:
 
 
 def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
-              checkpoint=None, exclude_sources: Iterable[int] = (), group=None) -> RebalanceReport:
+              checkpoint=None, exclude_sources: Iterable[int] = (), group=None,
+              phase_times: bool = False) -> RebalanceReport:
     """Move this rank of an expert-parallel model to placement `new`; collective.
 
     Every rank of `group` calls it; rank 0's `new`, `mode` and `exclude_sources`
@@ -174,6 +171,10 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     experts are packed; from the first write (disk reads, new slot maps) to the
     end (commit, or roll back) the rebalance holds the weights lock exclusively,
     so a forward sees the old placement and weights or the new ones, never a mix.
+
+    `phase_times` waits for the device at the end of every phase, so `report.seconds`
+    splits the device time by phase; by default the device is waited for only where the
+    rebalance needs it (the weights lock, the outcome), and a phase's time is the host's.
     """
     old: Placement | None = getattr(model, "placement", None)
     if old is None:
@@ -186,7 +187,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     comm = comm_device(device, group)
     rank = dist.get_rank(group)
     report = RebalanceReport(rank=rank, mode=mode)
-    timer = _Timer(report.seconds, device)
+    timer = _Timer(report.seconds, device, phase_times)
     t_start = t = time.perf_counter()
 
     with model.reload_lock:
@@ -206,33 +207,24 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         t = timer.mark("plan", t, sync=False)
 
         error: BaseException | None = None
-        backup: dict[int, tuple] = {}
-        chunks: dict[int, list[tuple[list[int], torch.Tensor]]] = {}  # layer -> [(experts, packed)]
-        send_bufs = {p: _alloc(layers, items, comm) for p, items in mine.sends.items()}
-        recv_bufs = {p: _alloc(layers, items, comm) for p, items in mine.recvs.items()}
+        mover = RowMover(layers, device)
+        moves = plan_moves(mover, mine, comm)
         try:
-            for peer, items in mine.sends.items():  # first: the exchange starts sooner
-                for lid, part, buf in _segments(layers, items, send_bufs[peer]):
-                    pack_slots(layers[lid], part, out=buf)
+            mover.gather(moves.sends)  # first: the exchange starts sooner
+            moves.to_wire()
         except Exception as e:  # still take part in the exchange, then fail together
             error = e
         t = timer.mark("stage", t)
-        works = _post_exchange(send_bufs, recv_bufs, group)
-        report.bytes_sent = sum(b.numel() for b in send_bufs.values())
-        report.bytes_received = sum(b.numel() for b in recv_bufs.values())
+        works = _post_exchange(moves.wire_send, moves.wire_recv, group)
+        report.bytes_sent = moves.payload(moves.sends, mover)
+        report.bytes_received = moves.payload(moves.received, mover)
+        report.bytes_local = moves.local_bytes
         t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
 
-        try:  # backups and local copies while the exchange is in flight
-            for lid, changed in mine.changed.items():
-                layer = layers[lid]
-                slots = sorted(changed)
-                backup[lid] = (slots, pack_slots(layer, slots),
-                               [p.data.clone() for p in _merged_scales(layer)])
-                local = [(e, f.src_slot) for e, f in mine.fetch[lid].items() if f.source == "local"]
-                if local:
-                    packed = pack_slots(layer, [s for _, s in local])
-                    chunks.setdefault(lid, []).append(([e for e, _ in local], packed))
-                    report.bytes_local += packed.numel()
+        scales = None
+        try:  # local copies and backups while the exchange is in flight
+            mover.gather(moves.local + moves.backup)
+            scales = _save_scales(layers, mine.changed)
         except Exception as e:
             error = error or e
         t = timer.mark("stage", t)
@@ -246,17 +238,18 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 error, locked = error or e, False
             synchronize(device)
             t = timer.mark("wait", t)
-            if locked:
-                error = _write(model, layers, mine, new, rank, checkpoint, works, recv_bufs,
-                               chunks, report, timer, t, error)
+            touched = locked and error is None  # else nothing was written: nothing to restore
+            if touched:
+                error = _write(model, layers, mine, new, rank, checkpoint, works, mover, moves,
+                               report, timer, t, error)
             else:  # write nothing, but let the exchange finish before failing together
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
             failed = failed_ranks(error, group, comm)
             if failed:
-                if locked:
-                    _restore(model, layers, backup, old, rank)
+                if touched:
+                    _restore(model, layers, mover, moves, scales, mine, old, rank)
                 t = timer.mark("rollback", t)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
                 raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled "
@@ -283,8 +276,9 @@ def _wait(works) -> None:
         w.wait()
 
 
-def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, recv_bufs, chunks,
-           report: RebalanceReport, timer: _Timer, t: float, error) -> BaseException | None:
+def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mover: RowMover,
+           moves: Moves, report: RebalanceReport, timer: _Timer, t: float, error
+           ) -> BaseException | None:
     """Under the write lock: disk experts (through the new slot maps) while the exchange is
     in flight, then every received and local row into its slots. Returns the first error."""
     try:
@@ -307,18 +301,11 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, re
     t = timer.mark("exchange", t)
     try:
         if error is None:
-            for peer, items in mine.recvs.items():
-                for lid, experts, buf in _segments(layers, items, recv_bufs[peer]):
-                    chunks.setdefault(lid, []).append((experts, buf))
-            for lid, changed in mine.changed.items():
+            moves.from_wire()
+            write_slots(mover, moves.local_in)
+            write_slots(mover, moves.received)
+            for lid in mine.changed:
                 layer = layers[lid]
-                slots_of: dict[int, list[int]] = {}  # new expert -> the slots it fills
-                for s in sorted(changed):
-                    slots_of.setdefault(changed[s], []).append(s)
-                for experts, packed in chunks.get(lid, []):
-                    dst = [s for e in experts for s in slots_of[e]]
-                    rows = [i for i, e in enumerate(experts) for _ in slots_of[e]]
-                    write_slots(layer, dst, packed, rows)
                 refresh_merged_input_scales(layer)
                 layer.weights_version += 1
             if mine.changed:
@@ -330,44 +317,37 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, re
     return error
 
 
+def write_slots(mover: RowMover, runs: list[Run]) -> None:
+    """One batch of the commit's writes (every layer's local copies, then every received
+    row): between two batches a layer is half moved, which the weights lock hides from
+    forwards (the tests pause here to check it)."""
+    mover.scatter(runs)
+
+
 def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
     return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
 
 
-def _alloc(layers, items, device) -> torch.Tensor:
-    """The flat buffer for a list of (layer, slot|expert) items bound to one peer."""
-    per_layer = Counter(lid for lid, _ in items)
-    return torch.empty(sum(n * row_bytes(layers[lid]) for lid, n in per_layer.items()),
-                       dtype=torch.uint8, device=device)
+def _save_scales(layers, changed) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The merged input scales of the changed layers, copied by one `cat`."""
+    params = [p for lid in changed for p in _merged_scales(layers[lid])]
+    saved = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
+    return params, saved
 
 
-def _segments(layers, items, buf: torch.Tensor):
-    """Split a peer buffer into per-layer runs: yields (layer, [slot|expert], packed view).
-
-    Items are ordered by layer (the plan appends them so), so each run is one
-    `pack_slots` block of consecutive bytes on both ends.
-    """
-    i = off = 0
-    while i < len(items):
-        lid = items[i][0]
-        j = i
-        while j < len(items) and items[j][0] == lid:
-            j += 1
-        n = (j - i) * row_bytes(layers[lid])
-        yield lid, [x for _, x in items[i:j]], buf[off:off + n]
-        off += n
-        i = j
-
-
-def _restore(model, layers, backup, old: Placement, rank: int) -> None:
+def _restore(model, layers, mover: RowMover, moves: Moves, scales, mine, old: Placement,
+             rank: int) -> None:
     with torch.no_grad():
         for lid, layer in layers.items():
             layer.expert_slots = old.local_slots(lid, rank)
-        for lid, (slots, rows, scales) in backup.items():
+        mover.scatter(moves.restore)
+        params, saved = scales if scales is not None else ([], None)
+        off = 0
+        for p in params:
+            p.data.copy_(saved[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        for lid in mine.changed:
             layer = layers[lid]
-            write_slots(layer, slots, rows)
-            for p, saved in zip(_merged_scales(layer), scales):
-                p.data.copy_(saved)
             layer.loaded_experts.clear()
             layer.staged.clear()
             layer.weights_version += 1

@@ -63,7 +63,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
-def _wide(*views: torch.Tensor) -> list[torch.Tensor]:
+def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
     """`views` ([k, n] uint8, row-contiguous) as the widest integer type all of them allow.
 
     A gather or scatter then moves 8 bytes per element instead of 1: on a GPU,
@@ -110,7 +110,7 @@ def pack_slots(layer: FusedMoE, slots: Sequence[int], out: torch.Tensor | None =
     for t in slot_tensors(layer):
         rows = _rows(t)
         n = k * rows.shape[1]
-        src, block = _wide(rows, out[off:off + n].view(k, rows.shape[1]))
+        src, block = as_words(rows, out[off:off + n].view(k, rows.shape[1]))
         if block.device == dev:
             torch.index_select(src, 0, idx, out=block)
         else:
@@ -138,7 +138,7 @@ def write_slots(layer: FusedMoE, slots: Sequence[int], packed: torch.Tensor,
     off = 0
     for t in slot_tensors(layer):
         n = _rows(t).shape[1]
-        view, block = _wide(_rows(t), packed[off:off + k * n].view(k, n))
+        view, block = as_words(_rows(t), packed[off:off + k * n].view(k, n))
         view.index_copy_(0, dst, block if pick is None else block.index_select(0, pick))
         off += k * n
 

@@ -161,3 +161,27 @@ def ep_forward_run(model: FP8MoEModel, tokens: int, seed: int = 0, alpha: float 
     return {"rank": rank, "rows": [rows[layer] for layer in routing],
             "moe_s": [statistics.median(moe[layer]) for layer in routing],
             "forward_s": statistics.median(walls), "layers": list(routing)}
+
+
+def counted_rebalance(model: FP8MoEModel, new: Placement, mode: str = "p2p") -> dict:
+    """One `rebalance` to `new` (rank 0's request) with every torch op it dispatches counted:
+    on a CPU box the op count is the launch count a GPU would see, a proxy for host cost
+    that wall times cannot give. Returns ``{"report", "ops": {aten op: count}}``."""
+    from collections import Counter
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ..expert_parallel import rebalance
+
+    class _Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops[str(func.overloadpacket.__name__)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with _Count() as count:
+        report = rebalance(model, new if dist.get_rank() == 0 else None, mode=mode)
+    return {"report": report, "ops": dict(count.ops)}

@@ -1,0 +1,79 @@
+"""Many byte ranges copied in one launch, from a table of (source, destination, bytes).
+
+A rebalance moves thousands of rows (every moved slot of every layer, one row per
+slot tensor) between Parameters and flat buffers. A torch gather per tensor and layer
+costs a launch and a handful of view ops each, and `index_select` on wide rows runs
+well below copy bandwidth; here one kernel copies every row of a batch through an
+address table built on the host (one copy to the device).
+
+Work is cut into programs of `span` blocks, never across rows; `owner` maps each
+program to its row (as `value_check` does). A row whose ends are 16-byte aligned and
+whose length is whole 32-bit words moves as words, whole blocks unmasked (16-byte
+vectors); any other row (4-byte scales at odd offsets) moves byte by byte, 1 KiB a step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .runtime import INTERPRET, check_device, device_ints, tl, triton
+
+WORDS = 4096  # 32-bit words (16 KiB) per block
+BLOCK_BYTES = 4 * WORDS
+MAX_PROGRAMS = 1 << 15  # the owner table's length, whatever the batch's size
+# table columns: source, destination, bytes, aligned, first program; then each program's row
+
+
+@triton.jit
+def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr, BYTES: tl.constexpr):
+    pid = tl.program_id(0)
+    r = tl.load(table_ptr + 5 * n + pid)
+    src = tl.load(table_ptr + r)
+    dst = tl.load(table_ptr + n + r)
+    nbytes = tl.load(table_ptr + 2 * n + r)
+    aligned = tl.load(table_ptr + 3 * n + r)
+    first = tl.load(table_ptr + 4 * n + r)
+    b0 = (pid - first) * span  # this program's blocks of its row: [b0, b1)
+    b1 = tl.minimum(b0 + span, (nbytes + 4 * WORDS - 1) // (4 * WORDS))
+    if aligned != 0:
+        words = nbytes // 4
+        for b in range(b0, b1):
+            offs = b * WORDS + tl.arange(0, WORDS)
+            if (b + 1) * WORDS <= words:  # each branch makes its own pointers (hints)
+                s = tl.multiple_of(src.to(tl.pointer_type(tl.uint32)), 16)
+                d = tl.multiple_of(dst.to(tl.pointer_type(tl.uint32)), 16)
+                tl.store(d + offs, tl.load(s + offs))
+            else:
+                ok = offs < words
+                s = src.to(tl.pointer_type(tl.uint32))
+                d = dst.to(tl.pointer_type(tl.uint32))
+                tl.store(d + offs, tl.load(s + offs, mask=ok), mask=ok)
+    else:  # bytes, BYTES at a time (a block's worth of bytes would take many registers)
+        steps = 4 * WORDS // BYTES
+        for c in range(b0 * steps, tl.minimum(b1 * steps, (nbytes + BYTES - 1) // BYTES)):
+            offs = c * BYTES + tl.arange(0, BYTES)
+            ok = offs < nbytes
+            s = src.to(tl.pointer_type(tl.uint8))
+            d = dst.to(tl.pointer_type(tl.uint8))
+            tl.store(d + offs, tl.load(s + offs, mask=ok), mask=ok)
+
+
+def copy_rows_(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device) -> None:
+    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i (int64
+    host tensors; addresses on `device`), in one launch queued on the current stream.
+    Ranges must not overlap a destination of another row (rows run concurrently)."""
+    keep = nbytes > 0
+    src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+    n = nbytes.numel()
+    if not n:
+        return
+    if torch.device(device).type == "cpu":
+        check_device(torch.empty(0))
+    blocks = (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES
+    span = max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # blocks per program
+    per = (blocks + span - 1) // span
+    owner = torch.repeat_interleave(torch.arange(n), per)
+    aligned = ((src % 16 == 0) & (dst % 16 == 0) & (nbytes % 4 == 0)).long()
+    table = device_ints(torch.cat([src, dst, nbytes, aligned, per.cumsum(0) - per, owner]), device)
+    opts = {} if INTERPRET else {"num_warps": 8}
+    _copy_rows_kernel[(owner.numel(),)](table, n, span, WORDS=WORDS, BYTES=1024, **opts)
