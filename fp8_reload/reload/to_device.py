@@ -17,8 +17,8 @@ default half the host's memory); ``always``; ``never``.
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
-slots it overwrites: FP8 tensors by one scatter launch per chunk (`scatter.copy_words_`,
-its table kept between reloads), bf16 experts (quantized on load) by the quantization
+slots it overwrites: FP8 tensors by one copy launch per chunk (`copy_rows`, its table
+kept between reloads), bf16 experts (quantized on load) by the quantization
 into their FP8 slots. While one buffer is scattered the next chunk fills the other, so
 the link runs without gaps. Device memory beyond the model is two chunks
 (``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB).
@@ -78,23 +78,26 @@ class DeviceSlots:
         self.buffers, self.free = [], [None, None]
 
 
-class WordTables:
-    """The scatter tables of the chunks a model's reloads land (`scatter.word_table`), by
-    their copies: a repeated reload lands the same copies, and finds its tables here."""
+class RowTables:
+    """The copy tables of the chunks a model's reloads land (`copy_rows.row_table`), by
+    device buffer and copies: a repeated reload lands the same copies, and finds its
+    tables here."""
 
-    KEEP = 4096  # rows of tables: a whole model's chunks for two alternating checkpoints
+    KEEP = 4096  # tables: a whole model's chunks, both buffers, two alternating checkpoints
 
     def __init__(self):
         self.tables: dict = {}
 
-    def get(self, copies: tuple, device) -> torch.Tensor:
-        table = self.tables.get(copies)
+    def get(self, base: int, copies: tuple, device):
+        key = (base, copies)
+        table = self.tables.get(key)
         if table is None:
-            from ..kernels.triton.scatter import word_table  # needs triton: imported on use
+            from ..kernels.triton.copy_rows import row_table  # needs triton: imported on use
 
             if len(self.tables) >= self.KEEP:
                 self.tables.clear()
-            table = self.tables[copies] = word_table(copies, device)
+            cols = torch.tensor(copies, dtype=torch.int64).reshape(-1, 3)
+            table = self.tables[key] = row_table(cols[:, 0] + base, cols[:, 1], cols[:, 2], device)
         return table
 
     def release(self) -> None:
@@ -165,13 +168,13 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         quantize_experts_(src.device, numel, cols, rows)
 
 
-def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: WordTables,
+def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables,
           writable, checks, quant_checks, gather: bool = False):
     """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
     one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
     at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
     then, on the current stream (the writes), each tensor from there to its place at
-    memory speed: one launch for all that are whole 32-bit words, a copy for any other.
+    memory speed: one launch for all (`copy_rows`), a copy for a strided destination.
     Only those writes wait for the modules' backups. `gather`: `buf` is the chunk's whole
     (registered) file, and each span is copied from its file offset: the gaps between
     the spans of a filtered reload are not moved. Returns the event after which `buf`
@@ -190,23 +193,22 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: W
     landed = torch.cuda.Event()
     landed.record(h2d)
     place.wait_event(landed)
-    words, others = [], []
+    rows, others = [], []
     for t in chunk.targets:
         writable(t.module, t.slots)
         if t.kind != "copy":
             continue
         at, nbytes = chunk.offset_of(t), t.info.nbytes
         for view in t.views:
-            ptr = view.data_ptr()
-            if at % 4 or ptr % 4 or nbytes % 4 or not view.is_contiguous():
-                others.append((view, t))
+            if view.is_contiguous():
+                rows += (at, view.data_ptr(), nbytes)
             else:
-                words.append((at, ptr, nbytes))
+                others.append((view, t))
         checks.append((t, t.views[0]))
-    if words:
-        from ..kernels.triton.scatter import copy_words_  # needs triton: imported on use
+    if rows:
+        from ..kernels.triton.copy_rows import launch_rows_  # needs triton: imported on use
 
-        copy_words_(dslot, tables.get(tuple(words), dslot.device))
+        launch_rows_(tables.get(dslot.data_ptr(), tuple(rows), dslot.device), dslot.device)
     for view, t in others:
         copy_async(view, chunk.source(dslot, t), place)
     if any(t.kind == "quant" for t in chunk.targets):
@@ -246,7 +248,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
         windows.append(direct[-1][0].extent)
     slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
     slots.reserve(max(windows + [c.extent for c in rest]), device)
-    tables: WordTables = holder(model, "word_tables", WordTables)
+    tables: RowTables = holder(model, "row_tables", RowTables)
     landing = (slots, tables, writable, checks, quant_checks)
     flags = []
     try:

@@ -1,18 +1,22 @@
 """Many byte ranges copied in one launch, from a table of (source, destination, bytes).
 
 A rebalance moves thousands of rows (every moved slot of every layer, one row per
-slot tensor) between Parameters and flat buffers. A torch gather per tensor and layer
-costs a launch and a handful of view ops each, and `index_select` on wide rows runs
-well below copy bandwidth; here one kernel copies every row of a batch through an
-address table built on the host (one copy to the device).
+slot tensor) between Parameters and flat buffers; a streaming reload moves each chunk's
+tensors from the device buffer it landed in to their Parameters. A torch copy per
+tensor costs a launch and a handful of view ops each, and `index_select` on wide rows
+runs well below copy bandwidth; here one kernel copies every row of a batch through an
+address table built on the host (`row_table`, one copy to the device, reusable).
 
 Work is cut into programs of `span` blocks, never across rows; `owner` maps each
-program to its row (as `value_check` does). A row whose ends are 16-byte aligned and
-whose length is whole 32-bit words moves as words, whole blocks unmasked (16-byte
-vectors); any other row (4-byte scales at odd offsets) moves byte by byte, 1 KiB a step.
+program to its row (as `value_check` does). A row by its alignment: ends 16-byte
+aligned and whole 32-bit words, as words with whole blocks unmasked (16-byte vectors);
+ends 4-byte aligned (checkpoint tensors after 4-byte scales), as 32-bit words; any
+other row (4-byte scales at odd offsets) byte by byte, 1 KiB a step.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -21,7 +25,7 @@ from .runtime import INTERPRET, check_device, device_ints, tl, triton
 WORDS = 4096  # 32-bit words (16 KiB) per block
 BLOCK_BYTES = 4 * WORDS
 MAX_PROGRAMS = 1 << 15  # the owner table's length, whatever the batch's size
-# table columns: source, destination, bytes, aligned, first program; then each program's row
+# table columns: source, destination, bytes, alignment (2, 1, 0), first program; then each program's row
 
 
 @triton.jit
@@ -39,7 +43,7 @@ def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr, BYTES: tl.constex
         words = nbytes // 4
         for b in range(b0, b1):
             offs = b * WORDS + tl.arange(0, WORDS)
-            if (b + 1) * WORDS <= words:  # each branch makes its own pointers (hints)
+            if aligned == 2 and (b + 1) * WORDS <= words:  # each branch makes its own pointers (hints)
                 s = tl.multiple_of(src.to(tl.pointer_type(tl.uint32)), 16)
                 d = tl.multiple_of(dst.to(tl.pointer_type(tl.uint32)), 16)
                 tl.store(d + offs, tl.load(s + offs))
@@ -58,22 +62,45 @@ def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr, BYTES: tl.constex
             tl.store(d + offs, tl.load(s + offs, mask=ok), mask=ok)
 
 
-def copy_rows_(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device) -> None:
-    """Copy ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]`` for every i (int64
-    host tensors; addresses on `device`), in one launch queued on the current stream.
-    Ranges must not overlap a destination of another row (rows run concurrently)."""
+class RowTable(NamedTuple):
+    """A batch of copies ready to launch (`launch_rows_`) any number of times."""
+
+    table: torch.Tensor  # on the device
+    rows: int
+    span: int
+    programs: int
+
+
+def row_table(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device) -> RowTable:
+    """The table of copying ``nbytes[i]`` bytes from address ``src[i]`` to ``dst[i]``
+    (int64 host tensors; addresses on `device`). Ranges must not overlap a destination
+    of another row (rows run concurrently)."""
     keep = nbytes > 0
     src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
     n = nbytes.numel()
     if not n:
-        return
-    if torch.device(device).type == "cpu":
-        check_device(torch.empty(0))
+        return RowTable(torch.empty(0, dtype=torch.int64), 0, 1, 0)
     blocks = (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES
     span = max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # blocks per program
     per = (blocks + span - 1) // span
     owner = torch.repeat_interleave(torch.arange(n), per)
-    aligned = ((src % 16 == 0) & (dst % 16 == 0) & (nbytes % 4 == 0)).long()
+    words = (src % 4 == 0) & (dst % 4 == 0) & (nbytes % 4 == 0)
+    aligned = words.long() + (words & (src % 16 == 0) & (dst % 16 == 0)).long()
     table = device_ints(torch.cat([src, dst, nbytes, aligned, per.cumsum(0) - per, owner]), device)
+    return RowTable(table, n, span, owner.numel())
+
+
+def launch_rows_(rows: RowTable, device) -> None:
+    """Run the copies of `rows` in one launch queued on the current stream; what they
+    read and write must stay allocated until it has run."""
+    if not rows.rows:
+        return
+    if torch.device(device).type == "cpu":
+        check_device(torch.empty(0))
     opts = {} if INTERPRET else {"num_warps": 8}
-    _copy_rows_kernel[(owner.numel(),)](table, n, span, WORDS=WORDS, BYTES=1024, **opts)
+    _copy_rows_kernel[(rows.programs,)](rows.table, rows.rows, rows.span, WORDS=WORDS, BYTES=1024, **opts)
+
+
+def copy_rows_(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device) -> None:
+    """`row_table` then `launch_rows_`: one batch of copies, one launch."""
+    launch_rows_(row_table(src, dst, nbytes, device), device)
