@@ -3,8 +3,8 @@
 #
 #   OUT=/tmp/out bash gpu/rebalance_2gpu.sh          (from the repo root)
 #   REBALANCE_BACKEND=gloo bash gpu/rebalance_2gpu.sh  (dry run on a CPU box: gloo, small models)
-#   REBALANCE_STEPS="env copy-test checkpoint speed speed-torch" bash gpu/rebalance_2gpu.sh
-#                                              (only the named steps; default: all but speed-torch)
+#   REBALANCE_STEPS="env copy-test checkpoint speed speed-triton" bash gpu/rebalance_2gpu.sh
+#                                              (only the named steps; default: all but speed-triton)
 #
 # Steps (each under a timeout, all under one budget, REBALANCE_BUDGET_S, default 460 s):
 #  env          torch, GPUs, NCCL, peer access; NVLink multicast kept OFF
@@ -18,8 +18,8 @@
 #               and the whole 26-layer v2-lite, each beside one contiguous transfer of the same
 #               bytes in the same run; per-phase device times from extra samples (a wait after
 #               each phase), host phase times of the timed samples (-> rebalance_speed.json)
-#  speed-torch  the same rows with the rows moved by torch gathers instead of the Triton kernel
-#               (FP8_RELOAD_REBALANCE_COPY=torch: the A/B of the copy path)
+#  speed-triton the same rows moved by one Triton copy_rows_ launch per batch instead of torch
+#               gathers (FP8_RELOAD_REBALANCE_COPY=triton: the A/B of the copy path)
 #  bench        rebalance time vs experts moved x source x layers, each p2p row beside one
 #               contiguous NCCL transfer of the same bytes (same ranks, same run), then the
 #               whole v2-lite (26 MoE layers, filled on the device) in one rebalance
@@ -28,7 +28,7 @@
 #  cli-v2lite   `fp8-reload rebalance` on the v2-lite:3 checkpoint, p2p, local experts in Triton
 #  multinode    two `torchrun --nnodes 2` agents (one GPU each) on this host, NCCL
 #  asv          the headline benchmarks under asv (machine h200x2, gpu/rebalance_asv.sh)
-# Outputs under $OUT: rebalance_2gpu.log (everything), rebalance_speed[_torch].json, rebalance_nccl_small.json,
+# Outputs under $OUT: rebalance_2gpu.log (everything), rebalance_speed[_triton].json, rebalance_nccl_small.json,
 # rebalance_bench.json, ep_balance.json, ep_balance.png, rebalance_nccl_v2lite.json,
 # multinode.json, asv_h200x2.tar.gz (results/asv/h200x2 + benchmarks-h200x2.json, to commit).
 # Ends with a summary of every figure and PASS/FAIL per step. ~5-6 minutes.
@@ -115,8 +115,8 @@ if [ "$BACKEND" = nccl ]; then SPEED_MOVED=${REBALANCE_SPEED_MOVED:-32}; else SP
 step speed 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p \
   $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed.json"
 
-step speed-torch 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p FP8_RELOAD_REBALANCE_COPY=torch \
-  $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed_torch.json"
+step speed-triton 150 env FP8_RELOAD_BENCH_MOVED=$SPEED_MOVED FP8_RELOAD_BENCH_SOURCES=p2p FP8_RELOAD_REBALANCE_COPY=triton \
+  $PY benchmarks/rebalance.py --repeat 7 --phase-repeat 3 --json "$OUT/rebalance_speed_triton.json"
 
 step ep-balance 120 $PY benchmarks/ep_forward.py --json "$OUT/ep_balance.json" --plot "$OUT/ep_balance.png"
 

@@ -5,13 +5,14 @@ laid out as `pack_slots` does (tensor-major ``[k, bytes]`` blocks), its start al
 to `RUN_ALIGN` so weight blocks stay 16-byte aligned whatever the runs before it.
 `RowMover` copies a batch of runs of any layers either way:
 
-* on a GPU with Triton, one `copy_rows_` launch for the whole batch, its address table
-  computed by a few whole-batch tensor ops on the host and sent in one copy;
-* otherwise (CPU, or ``FP8_RELOAD_REBALANCE_COPY=torch``) one `index_select` /
-  `index_copy_` per slot tensor and run, every run's index in one tensor (one copy).
-
-``FP8_RELOAD_REBALANCE_COPY=triton`` forces the kernel (on CPU: Triton's interpreter,
-for the tests).
+* by default one `index_select` / `index_copy_` per slot tensor and run, every run's
+  index in one tensor (one copy);
+* with ``FP8_RELOAD_REBALANCE_COPY=triton``, one `copy_rows_` launch for the whole
+  batch, its address table computed by a few whole-batch tensor ops on the host and sent
+  in one copy (on CPU: Triton's interpreter, for the tests). Opt-in: on 2xH200 it was
+  the slower of the two (one v2-lite layer, 32 experts moved: 32.9 against 3.3 ms per
+  rank; the whole model 113.8 against 22.8 ms; `results/h200x2/`), for reasons not yet
+  found.
 """
 
 from __future__ import annotations
@@ -48,9 +49,7 @@ class Run:
 
 def use_kernel(device: torch.device) -> bool:
     choice = os.environ.get("FP8_RELOAD_REBALANCE_COPY", "").strip().lower()
-    if choice in ("triton", "torch"):
-        return choice == "triton"
-    return device.type == "cuda" and triton_unavailable() is None
+    return choice == "triton" and (device.type != "cuda" or triton_unavailable() is None)
 
 
 class RowMover:
