@@ -106,6 +106,8 @@ RANGES: dict[str, RangeInfo] = {
     "fp8_reload/backup": RangeInfo("reload", "", "phase: back up the slices the reload will change"),
     "fp8_reload/load_weights": RangeInfo("reload", "", "phase: write the weights (streamed into place, "
                                          "or model.load_weights over the staged tensors)"),
+    "fp8_reload/drain": RangeInfo("reload", "", "phase: wait for the device to finish what the reload "
+                                  "queued, then check the files' stamps"),
     "fp8_reload/register": RangeInfo("io", "bytes", "map one shard and register its pages for DMA"),
     "fp8_reload/dma": RangeInfo("load", "bytes", "queue copies straight from registered shards"),
     "fp8_reload/ring": RangeInfo("load", "bytes", "stream shards through the pinned ring"),
@@ -132,7 +134,8 @@ RANGES: dict[str, RangeInfo] = {
 
 # Reload phases timed by reload._Timer, by phase name.
 PHASES = {"plan": "fp8_reload/plan", "read": "fp8_reload/read", "backup": "fp8_reload/backup",
-          "load": "fp8_reload/load_weights", "process": "fp8_reload/process_weights_after_loading"}
+          "load": "fp8_reload/load_weights", "process": "fp8_reload/process_weights_after_loading",
+          "drain": "fp8_reload/drain"}
 
 
 def category_of(name: str) -> str:

@@ -53,7 +53,7 @@ class Backup:
 
     Parameter objects (a failing upstream processing may have replaced them),
     each Parameter's `.data` tensor (rebinding), small per-module state, and
-    host copies of the bytes: for a FusedMoE only the expert slots being
+    copies of the bytes (`where`): for a FusedMoE only the expert slots being
     reloaded of the two big weights, everything else of a touched module whole.
     """
 
@@ -151,8 +151,13 @@ class Backup:
         small: dict[torch.dtype, list[torch.Tensor]] = {}
         # (module, tensor, run of slots or None, the slots whose piece ends with this copy)
         big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None, list[int]]] = []
-        when: list[int] = []  # per copy of `big`: when the commit first writes what it holds
+        # per copy of `big`: when the commit first writes what it holds (a FusedMoE's whole
+        # tensors: just before its first slot, whose writes may touch their rows)
+        when: list[tuple[int, int]] = []
         never = len(self.written)
+        first: dict[int, int] = {}  # id(module) -> its first write
+        for (mid, _), k in self.written.items():
+            first[mid] = min(k, first.get(mid, never))
         pieced: dict[int, list[torch.Tensor]] = {}  # id(FusedMoE) -> its weights copied in pieces
         for module, tensor, _, by_slot in self.pending:
             if by_slot and by_piece:
@@ -163,7 +168,7 @@ class Backup:
                 if tensor is pieced[id(module)][0]:  # all of the module's pieces, in its place
                     for piece, copies in self._pieces(module, pieced[id(module)], slots):
                         big += copies
-                        when += [self.written.get((id(module), piece[0]), never)] * len(copies)
+                        when += [(self.written.get((id(module), piece[0]), never), 1)] * len(copies)
                 continue
             if slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
                 small.setdefault(tensor.dtype, []).append(tensor)
@@ -171,7 +176,7 @@ class Backup:
                 big.append((module, _dense_view(tensor), None, []))
             else:
                 big += [(module, tensor, run, []) for run in _runs(slots)]
-            when += [self.written.get((id(module), None), never)] * (len(big) - at)
+            when += [(first.get(id(module), never), 0)] * (len(big) - at)
         if by_piece:  # in the order the commit writes: each write waits for its own
             big = [big[k] for k in sorted(range(len(big)), key=when.__getitem__)]
         return small, big

@@ -36,6 +36,7 @@ from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
+from ..processing.ops import on_triton
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
 from .targets import Target
 
@@ -55,9 +56,10 @@ def _register_budget() -> int:
 
 class DeviceSlots:
     """Two device buffers chunks land in by turns: while one chunk's tensors go from its
-    buffer to their places (the writes stream), the next chunk's host-to-device copy
-    fills the other (the "h2d" stream), so the link never waits for the scatter or for
-    the backup. Each remembers the event after which it may be filled again."""
+    buffer to their places (the writes stream, which waits for their backup), the next
+    chunk's host-to-device copy fills the other (the "h2d" stream): the link waits for
+    the writes of the chunk two back only. Each remembers the event after which it may
+    be filled again."""
 
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
@@ -174,7 +176,8 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
     at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
     then, on the current stream (the writes), each tensor from there to its place at
-    memory speed: one launch for all (`copy_rows`), a copy for a strided destination.
+    memory speed: one launch for all (`copy_rows`), a copy for a strided destination
+    (or each, without Triton).
     Only those writes wait for the modules' backups. `gather`: `buf` is the chunk's whole
     (registered) file, and each span is copied from its file offset: the gaps between
     the spans of a filtered reload are not moved. Returns the event after which `buf`
@@ -194,13 +197,14 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     landed.record(h2d)
     place.wait_event(landed)
     rows, others = [], []
+    kernel = on_triton(dslot)  # (triton is an optional extra: without it, a copy each)
     for t in chunk.targets:
         writable(t.module, t.slots)
         if t.kind != "copy":
             continue
         at, nbytes = chunk.offset_of(t), t.info.nbytes
         for view in t.views:
-            if view.is_contiguous():
+            if kernel and view.is_contiguous():
                 rows += (at, view.data_ptr(), nbytes)
             else:
                 others.append((view, t))

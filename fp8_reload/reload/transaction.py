@@ -10,11 +10,14 @@ A reload is a transaction:
    scales; checked on the model's device). Nothing in the model is written
    before this has fully succeeded; any failure up to here raises a
    `ReloadError` subclass and the model was never touched;
-3. backup: host copies of what commit may change, bounded by the reload
-   (the reloaded expert slots of the big MoE weights, whole small tensors);
-4. commit ("wait", "load", "process"): take the weights lock exclusively
-   (forwards drain, see `locks.py`), load through the parameters' own
-   `weight_loader`s, post-process. If anything fails here, a device error or a
+3. backup: copies (host, or device with ``backup="device"``) of what commit may
+   change, bounded by the reload (the reloaded expert slots of the big MoE weights,
+   whole small tensors);
+4. commit ("wait", "load", "process", "drain"): take the weights lock exclusively
+   (forwards drain, see `locks.py`), write the weights (streamed into place, or
+   through the parameters' own `weight_loader`s), post-process; on a GPU the last
+   two are queued without waiting and "drain" waits once for the device, then
+   checks the files' stamps. If anything fails here, a device error or a
    KeyboardInterrupt, the backup is restored (Ctrl-C is deferred while
    restoring), so the model is bit-identical to before, and `CommitError` is
    raised (KeyboardInterrupt propagates as is). If the restore itself fails,
