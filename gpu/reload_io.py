@@ -1,6 +1,9 @@
 """Reload speed beside the machine's limits and the field's loaders, one run, one table.
 
-    python3 gpu/reload_io.py --layers 4 --out $OUT/reload_io [--whole]
+    python3 gpu/reload_io.py --layers 4 --kinds fp8 --out $OUT/reload_io-fp8 [--whole]
+
+(one process per checkpoint kind: a library's leftover threads slow the Python measured
+after it; within a process fp8-reload's rows run before the libraries')
 
 Per checkpoint (v2-lite slice, `fill="fast"`: valid values written at disk speed):
 the pinned host-to-device limit and the page-cache read limit (measured here, same
@@ -72,22 +75,6 @@ def run_checkpoint(path, label, rows, whole=False):
     read, _ = timed(lambda: io_paths.page_cache_read(files, limit.src), repeat=3)
     row("page cache -> pinned, 16 threads preadv, 64 MiB (limit)", read, file_bytes)
 
-    dst = io_paths.device_targets(path, names, "cuda")
-    for io, fn in (("instanttensor", lambda: io_paths.load_instanttensor(files, dst)),
-                   ("safetensors", lambda: io_paths.load_safetensors(files, dst)),
-                   ("fastsafetensors", lambda: io_paths.load_fastsafetensors(files, dst))):
-        if whole and io != "instanttensor":
-            continue
-        if not io_paths.available(io):
-            print(f"[{label}] {io}: not installed, skipped")
-            continue
-        try:
-            fn()  # warm-up: library init, buffers
-            s, moved = timed(fn, repeat=3)
-            row(f"{io} (buffered), all tensors into place", s, moved)
-        except Exception as e:  # a library failing here is a result too
-            print(f"[{label}] {io} failed: {type(e).__name__}: {e}")
-
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)  # the fresh load's staging arena: not the reload's business
     phases = lambda rep: ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())  # noqa: E731
@@ -114,14 +101,33 @@ def run_checkpoint(path, label, rows, whole=False):
         phases=phases(rep))
 
     flt = one_per_layer(model.config)
+    fr.update_weights_from_disk(model, path, flt)
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
+    row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
+
+    # the field's loaders after fp8-reload's rows: threads a library leaves behind must not
+    # slow the rows measured after it (fp8-reload's host work is Python)
+    dst = io_paths.device_targets(path, names, "cuda")
+    for io, fn in (("instanttensor", lambda: io_paths.load_instanttensor(files, dst)),
+                   ("safetensors", lambda: io_paths.load_safetensors(files, dst)),
+                   ("fastsafetensors", lambda: io_paths.load_fastsafetensors(files, dst))):
+        if whole and io != "instanttensor":
+            continue
+        if not io_paths.available(io):
+            print(f"[{label}] {io}: not installed, skipped")
+            continue
+        try:
+            fn()  # warm-up: library init, buffers
+            s, moved = timed(fn, repeat=3)
+            row(f"{io} (buffered), all tensors into place", s, moved)
+        except Exception as e:  # a library failing here is a result too
+            print(f"[{label}] {io} failed: {type(e).__name__}: {e}")
+
     sel = [n for n in names if flt(n)]
     fdst = {n: dst[n] for n in sel}
     if io_paths.available("instanttensor"):
         s, moved = timed(lambda: io_paths.load_instanttensor(files, fdst), repeat=5)
         row("instanttensor, tensor filter, 1 expert per MoE layer", s, moved)
-    fr.update_weights_from_disk(model, path, flt)
-    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
-    row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
 
     # cold: files evicted (registrations released first: pinned pages cannot be dropped)
     if "registered" in held(model):
