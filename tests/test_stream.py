@@ -326,3 +326,28 @@ def test_a_failure_half_way_through_the_writes_restores_after_the_queued_ones(ck
     with pytest.raises(fr.CommitError, match="injected"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+
+def test_a_parse_made_while_its_files_were_fresh_settles_once_they_have(ckpts, tmp_path, monkeypatch):
+    """Files reloaded right after they were written (fresh when parsed: a same-tick
+    rewrite would keep their stamps) have their values checked and scales read on every
+    reload; once a reload finds them settled (stamp unchanged, old enough, header bytes
+    the same), what it reads is kept, and the reloads after it check nothing again."""
+    import fp8_reload.reload.stream as stream_mod
+
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "c")
+    model = fr.load_model(ckpts["fp8", 0])
+    calls = []
+    orig = stream_mod.has_bad_values
+    monkeypatch.setattr(stream_mod, "has_bad_values", lambda t: calls.append(1) or orig(t))
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 10**18)  # every file fresh
+    for _ in range(2):
+        before = len(calls)
+        fr.update_weights_from_disk(model, path)
+        assert len(calls) > before  # fresh: checked every time
+    monkeypatch.setattr(files_mod, "SETTLED_NS", 0)  # now they have settled
+    fr.update_weights_from_disk(model, path)  # finds them settled: what it reads is kept
+    before = len(calls)
+    fr.update_weights_from_disk(model, path)
+    assert len(calls) == before
+    assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []

@@ -7,6 +7,7 @@ read with positional reads at the offsets the validated header gives.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import stat
 from collections.abc import Iterable, Iterator
@@ -130,7 +131,10 @@ class Checkpoint:
         so never a stamp of one file over the parse of another) must match. A file
         that was still fresh when it was read (`files.settled`) is compared byte for
         byte too: rewritten in place within one timestamp tick at the same size, it
-        keeps its stamp. A checkpoint at rest costs one stat per file.
+        keeps its stamp. Once it has settled since (a stat after the comparison still
+        gives its stamp, now old enough), what was compared is final and the parse
+        counts as settled from then on: what is read from the file later may be kept.
+        A checkpoint at rest costs one stat per file.
         """
         try:
             for name, source in self.sources.items():
@@ -142,8 +146,11 @@ class Checkpoint:
                 raw, stamp, settled = source
                 if files.stamp(files.stat_path(path)) != stamp:
                     return False
-                if not settled and files.read_small(path)[0] != raw:
-                    return False
+                if not settled:
+                    if files.read_small(path)[0] != raw:
+                        return False
+                    if _settled_since(path, stamp):
+                        self.sources[name] = raw, stamp, True
             for fname, header in list(self._headers.items()):
                 path = self.path / fname
                 if files.stamp(files.stat_path(path)) != header.stamp:
@@ -152,6 +159,8 @@ class Checkpoint:
                     with files.open_regular(path) as f:
                         if not header.unchanged(f, path):
                             return False
+                    if _settled_since(path, header.stamp):
+                        self._headers[fname] = dataclasses.replace(header, settled=True)
         except CheckpointError:
             return False
         return True
@@ -226,9 +235,9 @@ class Checkpoint:
         return self._headers[fname].tensors
 
     def settled(self, fname: str) -> bool:
-        """Whether shard `fname` was settled (`files.settled`) when its header was parsed:
-        then any later rewrite moves its stamp, and what was read from it may be kept
-        with this parse. A fresh one can be rewritten in place within one timestamp tick
+        """Whether shard `fname` was settled (`files.settled`) when its header was parsed,
+        or has been found settled since (`unchanged`): then any later rewrite moves its
+        stamp, and what is read from it may be kept with this parse. A fresh one can be rewritten in place within one timestamp tick
         without its stamp moving: only its header bytes are compared, not its data."""
         self._header(fname)
         return self._headers[fname].settled
@@ -367,3 +376,11 @@ class Checkpoint:
 
     def total_bytes(self) -> int:
         return sum(self.info(n).nbytes for n in self.weight_map)
+
+
+def _settled_since(path, stamp: tuple[int, ...]) -> bool:
+    """Whether the file at `path`, just compared byte for byte with what was parsed,
+    still has `stamp` and has settled (`files.settled`): no write since the comparison
+    could have kept its stamp, so what was compared is what the file holds for good."""
+    st = files.stamp(files.stat_path(path))
+    return st == stamp and files.settled(st)
