@@ -85,6 +85,9 @@ def run_checkpoint(path, label, rows, whole=False):
         firsts.append((s, rep))
     s, rep = sorted(firsts, key=lambda x: x[0])[1]
     row("fp8-reload streaming, first reload (new stamps)", s, rep.bytes_read, phases=phases(rep))
+    # the rows below reload files at rest (as EPLB does): written more than `files.SETTLED_NS`
+    # ago, else each reload re-reads their scales and re-checks their values
+    time.sleep(fr.checkpoint.files.SETTLED_NS / 1e9 + 0.1)
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path))  # 2nd read: registers
     row("fp8-reload streaming, second reload (registers shards)", s, rep.bytes_read, phases=phases(rep))
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=5)
