@@ -16,5 +16,9 @@ python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py tests/test_filtere
   tests/test_review_s3.py > "$OUT/pytest_plan_blocks.log" 2>&1; tail -5 "$OUT/pytest_plan_blocks.log"
 python3 gpu/peak_check.py 2>&1 | tee "$OUT/peak_check.txt"
 [ -n "${PROBE:-}" ] && python3 gpu/kernels_probe.py --out "$OUT/kernels_probe.json" 2>&1 | tee "$OUT/kernels_probe.log"
-timeout ${IO_TIMEOUT:-420} python3 gpu/reload_io.py --layers 4 ${WHOLE:+--whole} --out "$OUT/reload_io" 2>&1 \
-  | tee "$OUT/reload_io.log"
+# one process per kind: a library's leftover threads slow the Python measured after it
+for kind in fp8 bf16; do
+  whole=""; [ "$kind" = fp8 ] && whole=${WHOLE:+--whole}
+  timeout ${IO_TIMEOUT:-420} python3 gpu/reload_io.py --layers 4 --kinds $kind $whole \
+    --out "$OUT/reload_io-$kind" 2>&1 | tee "$OUT/reload_io-$kind.log"
+done
