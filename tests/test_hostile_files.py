@@ -712,3 +712,26 @@ def test_no_read_outlives_a_failed_staging(ckpts, monkeypatch):
     assert readers == [], f"reads still running after the reload returned: {readers}"
     assert info.value.__cause__ is not None  # the traceback (and its frames) is still held
     assert unchanged(model, before) == []
+
+
+def test_a_header_is_parsed_once_per_bytes_and_a_bad_one_every_time(tmp_path):
+    """Headers parse to what their name, size and bytes say: the same again (a file
+    touched, or RL's next step written with the same layout) gives the same objects,
+    any other bytes or size is parsed anew, and a refused header is refused every time
+    (a refusal is never kept)."""
+    from fp8_reload.checkpoint.header import parse_shard_header, read_header_bytes
+
+    path = tmp_path / "a.safetensors"
+    save_file({"x": torch.zeros(4), "y": torch.ones(2, 3)}, str(path))
+    with open(path, "rb") as f:
+        stamp, head = read_header_bytes(f, path)
+    first = parse_shard_header(path, "a.safetensors", stamp[2], head)
+    assert parse_shard_header(path, "a.safetensors", stamp[2], head) is first
+    other = parse_shard_header(path, "b.safetensors", stamp[2], head)  # another name: another file field
+    assert other is not first and other["x"].file == "b.safetensors"
+    bad = head.replace(b'"F32"', b'"F99"', 1)
+    for _ in range(2):
+        with pytest.raises(fr.UnsupportedCheckpointError, match="F99"):
+            parse_shard_header(path, "a.safetensors", stamp[2], bad)
+    with pytest.raises(fr.CorruptCheckpointError):  # the same bytes, a size they do not fit
+        parse_shard_header(path, "a.safetensors", stamp[2] + 4, head)

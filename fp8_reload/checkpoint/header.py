@@ -216,7 +216,29 @@ def read_safetensors_header(file: Path, name: str | None = None) -> dict[str, Te
     return load_shard_header(file, name).tensors
 
 
+# Headers parsed, by (the name the index gives the file, its size, its header bytes): what
+# they parse to depends on nothing else. RL weight sync writes new files of one layout at
+# every step, and a file touched keeps its bytes: parsed once, and the same `TensorInfo`s
+# let the plans made from them be reused as they are. The last `PARSED_KEEP` are kept
+# (two alternating checkpoints of a model of hundreds of shards).
+_PARSED: dict[tuple[str, int, bytes], dict[str, TensorInfo]] = {}
+PARSED_KEEP = 512
+
+
 def parse_shard_header(file: Path, name: str, size: int, head: bytes) -> dict[str, TensorInfo]:
+    """`head` parsed (`_parse_shard_header`), or what the same name, size and bytes parsed
+    to before. The dict returned is shared: read it, never change it."""
+    key = (name, size, head)
+    tensors = _PARSED.get(key)
+    if tensors is None:
+        tensors = _parse_shard_header(file, name, size, head)
+        while len(_PARSED) >= PARSED_KEEP:
+            _PARSED.pop(next(iter(_PARSED)), None)
+        _PARSED[key] = tensors
+    return tensors
+
+
+def _parse_shard_header(file: Path, name: str, size: int, head: bytes) -> dict[str, TensorInfo]:
     """Validate the header bytes `head` of a file of `size` bytes.
 
     As strict as the safetensors library: known dtypes, byte counts that match

@@ -237,8 +237,9 @@ class Checkpoint:
     def settled(self, fname: str) -> bool:
         """Whether shard `fname` was settled (`files.settled`) when its header was parsed,
         or has been found settled since (`unchanged`): then any later rewrite moves its
-        stamp, and what is read from it may be kept with this parse. A fresh one can be rewritten in place within one timestamp tick
-        without its stamp moving: only its header bytes are compared, not its data."""
+        stamp, and what is read from it may be kept with this parse. A fresh one can be
+        rewritten in place within one timestamp tick without its stamp moving: only its
+        header bytes are compared, not its data."""
         self._header(fname)
         return self._headers[fname].settled
 
