@@ -320,3 +320,61 @@ def test_requant_checks_a_tensor_at_a_cached_address():
     requant.requantize_w13_(q, s, [1])
     with pytest.raises(ValueError):  # same address and shape, not FP8
         requant.requantize_w13_(q.view(torch.uint8), s, [1])
+
+
+# --------------------------------------------------------------------------
+# gloo, 3 ranks: a rollback restores slots from send buffers (a row sent to two peers,
+# replicas, in-rank cycles) after the other ranks committed
+# --------------------------------------------------------------------------
+
+_OLD3 = [[0, 1, 2, 7, 4, 5, 6, 0, 3, 1, 4, 5]] * 2
+# r0: 0->3 (disk: held only by excluded r2), 1->4 (peer), 7->0 (local, from a changed slot)
+# r1: 4->7, 5->7 (one row of r0's changed slot 3 into two slots), 0->1 (r0's slot 1)
+# r2: a 3-cycle of its own slots, 5->7 (r0 slot 3 again: one old row sent to two peers)
+_NEW3 = [[3, 4, 2, 0, 7, 7, 6, 1, 5, 4, 3, 7]] * 2
+
+
+@pytest.fixture(scope="module", params=PATHS)
+def three_ranks(request, ckpts, tmp_path_factory):
+    import os
+
+    from .conftest import copy_checkpoint, rewrite_tensor
+    from .test_rebalance import Scenario, Step, _run
+
+    if request.param == "triton":
+        pytest.importorskip("triton")
+    old, new = _placement(_OLD3, 3, 4), _placement(_NEW3, 3, 4)
+    plan = RebalancePlan.build(old, new, "hybrid", (2,))
+    assert plan.ranks[0].disk_experts() == {1: [3], 2: [3]}
+    sends0 = plan.ranks[0].sends
+    assert sorted(p for p in sends0) == [1, 2]
+    bad = copy_checkpoint(ckpts["fp8", 0], tmp_path_factory.mktemp("bad3") / "ckpt")
+    rewrite_tensor(bad, "model.layers.1.mlp.experts.3.up_proj.input_scale",
+                   lambda t: torch.full_like(t, float("nan")))
+    scenarios = [
+        Scenario("rollback", "fp8", old, [Step(new, "hybrid", (2,), str(bad)),
+                                          Step(new, "hybrid", (2,)), Step(old, "p2p")]),
+        Scenario("bf16", "bf16", old, [Step(new, "p2p"), Step(old, "hybrid", (0,))]),
+    ]
+    prev = os.environ.get("FP8_RELOAD_REBALANCE_COPY")
+    os.environ["FP8_RELOAD_REBALANCE_COPY"] = request.param  # the spawned ranks inherit it
+    try:
+        return _run(3, scenarios, {"fp8": ckpts["fp8", 0], "bf16": ckpts["bf16", 0]})
+    finally:
+        if prev is None:
+            os.environ.pop("FP8_RELOAD_REBALANCE_COPY")
+        else:
+            os.environ["FP8_RELOAD_REBALANCE_COPY"] = prev
+
+
+def test_three_ranks_roll_back_from_send_buffers_then_move(three_ranks):
+    from .test_rebalance import _assert_equals_fresh
+
+    for rank, res in enumerate(three_ranks["rollback", 0]):
+        assert res["error"] and "rank(s) [0]" in res["error"], (rank, res["error"])
+        assert not res["unchanged"], (rank, res["unchanged"][:3])
+        assert not res["at_new"] and not res["diffs"]
+    _assert_equals_fresh(three_ranks, "rollback", step=1)
+    _assert_equals_fresh(three_ranks, "rollback", step=2)
+    _assert_equals_fresh(three_ranks, "bf16", step=0)
+    _assert_equals_fresh(three_ranks, "bf16", step=1)
