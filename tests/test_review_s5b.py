@@ -16,7 +16,6 @@ from fp8_reload.expert_parallel import (
     RebalancePlan,
     load_rank_model,
     moe_layer_map,
-    slot_tensors,
 )
 from fp8_reload.expert_parallel.rebalance import _restore, _save_scales
 from fp8_reload.expert_parallel.slots import refresh_merged_input_scales
