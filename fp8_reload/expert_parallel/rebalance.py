@@ -246,7 +246,10 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
-            failed = failed_ranks(error, group, comm)
+            try:
+                failed = failed_ranks(error, group, comm)
+            except Exception as e:  # the outcome vote itself failed (a rank left the group):
+                error, failed = error or e, "unknown"  # every outcome is possible: roll back here
             if failed:
                 if touched:
                     _restore(model, layers, mover, moves, scales, mine, old, rank)

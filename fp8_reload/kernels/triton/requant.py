@@ -211,10 +211,14 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     listed = k > 1 and list(experts) != list(range(first, first + k))
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
     iters = _iters(k)
-    _requant_w13_kernel[(k, triton.cdiv(half, BLOCK * iters))](
-        w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, HALF=half, NUM_E=e_all,
-        LISTED=listed, MERGE_INPUT=merge, ITERS=iters, BLOCK=BLOCK,
-        BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all), EXACT=EXACT)
+    try:
+        _requant_w13_kernel[(k, triton.cdiv(half, BLOCK * iters))](
+            w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, HALF=half, NUM_E=e_all,
+            LISTED=listed, MERGE_INPUT=merge, ITERS=iters, BLOCK=BLOCK,
+            BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all), EXACT=EXACT)
+    except BaseException:  # a launch cut short may leave its ticket counter non-zero, which
+        _LAYERS.pop(key, None)  # would break every later launch's "last program": a new one
+        raise
 
 
 def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...]]) -> None:
