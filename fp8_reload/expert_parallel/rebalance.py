@@ -207,8 +207,20 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         t = timer.mark("plan", t, sync=False)
 
         error: BaseException | None = None
-        mover = RowMover(layers, device)
-        moves = plan_moves(mover, mine, comm)
+        try:  # every buffer is allocated here: a rank that cannot would leave its peers
+            mover = RowMover(layers, device)  # waiting in the exchange, so all vote first
+            moves = plan_moves(mover, mine, comm)
+        except Exception as e:
+            error = e
+        try:
+            failed = failed_ranks(error, group, comm)
+        except Exception as e:  # a rank left the group: nothing was changed anywhere yet
+            error, failed = error or e, "unknown"
+        if failed:
+            here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
+            raise RebalanceError(f"rebalance failed on rank(s) {failed} while laying out its "
+                                 f"buffers; nothing was changed{here}") from error
+        t = timer.mark("plan", t, sync=False)
         try:
             mover.gather(moves.sends)  # first: the exchange starts sooner
             moves.to_wire()

@@ -196,16 +196,19 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     """`processing.ops.requantize_w13_to_expert_max_` (plus `merge_input_scales_` of
     ``input_scales = ((a13, a13_raw), (a2, a2_raw))``) in one launch.
 
-    `experts` are distinct local slots; a run of consecutive slots (every expert, or one)
-    is passed as its first slot and count, anything else as a table copied to the device.
+    `experts` are local slots (one listed twice counts once); a run of consecutive slots
+    (every expert, or one) is passed as its first slot and count, anything else as a
+    table copied to the device.
     """
+    experts = list(dict.fromkeys(experts))  # a slot listed twice is requantized once
     k = len(experts)
     if k == 0:
         return
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
-    key = (w13.data_ptr(), w13_scale.data_ptr(), a13.data_ptr(), a13_raw.data_ptr(), a2.data_ptr(),
-           a2_raw.data_ptr(), w13.shape, merge)
+    # what `_fp8_layer` checked: another tensor at a cached address is checked again
+    key = (merge, w13.stride(), *((t.data_ptr(), t.dtype, t.shape) for t in (w13, w13_scale, a13, a13_raw,
+                                                                            a2, a2_raw)))
     ticket, half, e_all = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales))
     first = int(experts[0])
     listed = k > 1 and list(experts) != list(range(first, first + k))
