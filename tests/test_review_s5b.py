@@ -30,6 +30,8 @@ E = 8
 
 PATHS = ["torch", "triton"]
 
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
 
 @pytest.fixture(params=PATHS)
 def path(request, monkeypatch):
@@ -276,8 +278,8 @@ def _requant_case(experts, merge=True):
     g = torch.Generator().manual_seed(3)
     a13, a2 = torch.rand(7, generator=g) + 0.5, torch.rand(7, generator=g) + 0.5
     raw13, raw2 = torch.rand(7, generator=g), torch.rand(7, generator=g)
-    orig = (q, s, a13, raw13, a2, raw2)
-    want = [t.clone() for t in orig]
+    orig = tuple(t.to(DEVICE) for t in (q, s, a13, raw13, a2, raw2))  # the kernels' device
+    want = [t.cpu().clone() for t in orig]  # the torch path on CPU: the bytes to match
     idx = torch.tensor(experts, dtype=torch.long)
     if merge:
         ops.merge_input_scales_(want[2], want[3], idx)
@@ -287,6 +289,7 @@ def _requant_case(experts, merge=True):
 
 
 def _same(a, b):
+    a, b = a.cpu(), b.cpu()
     return torch.equal(a.view(torch.uint8) if a.dtype.itemsize == 1 else a.view(torch.int32),
                        b.view(torch.uint8) if b.dtype.itemsize == 1 else b.view(torch.int32))
 
@@ -301,6 +304,9 @@ def test_requant_after_an_interrupted_launch_gives_the_torch_bytes(monkeypatch):
     from triton.runtime import interpreter
 
     from fp8_reload.kernels.triton import requant
+
+    if not requant.INTERPRET:
+        pytest.skip("a launch is cut short half-way only in Triton's interpreter (the CPU run)")
 
     experts = [1, 3, 6]
     orig, want = _requant_case(experts)
