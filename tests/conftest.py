@@ -138,3 +138,16 @@ def rewrite_mid_stream(monkeypatch):
         monkeypatch.setattr(Chunk, "source", touch_then_source)
 
     return arm
+
+
+def raising_on_call(fn, n: int, exc: BaseException):
+    """`fn` wrapped: its `n`-th call raises `exc` instead of running (a fault injected)."""
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise exc
+        return fn(*args, **kwargs)
+
+    return wrapper

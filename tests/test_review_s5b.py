@@ -177,62 +177,52 @@ def test_random_placements_commit_and_rollback(ckpts, path, seed, ranks, slots):
 # gloo: a failure on one rank before the exchange (plan_moves: buffer allocation)
 # --------------------------------------------------------------------------
 
-def _plan_moves_fails_on_rank_1(rank, world, device, ckpt, mode):
+def _rebalance_with_a_fault(rank, device, ckpt, mode, fault) -> dict:
+    """One rank of a rebalance of the hand-made placements with `fault(module, rank)`
+    installed in the rebalance module first: its error and what changed on this rank."""
     import sys
 
     from fp8_reload.expert_parallel import rebalance
 
     rb = sys.modules["fp8_reload.expert_parallel.rebalance"]  # the package's name is the function
-
     old = _placement(_OLD2, 2, 5)
     new = _placement(HAND2["replicas-in"], 2, 5)
     model = load_rank_model(ckpt, old, rank, device)
     before = snapshot(model)
     slots_before = {lid: dict(layer.expert_slots) for lid, layer in moe_layer_map(model).items()}
+    fault(rb, rank)
+    try:
+        rebalance(model, new if rank == 0 else None, mode=mode)
+        err = None
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"[:300]
+    return {"error": err, "diffs": compare_states(before, snapshot(model), identity=True),
+            "slots_kept": {lid: dict(layer.expert_slots)
+                           for lid, layer in moe_layer_map(model).items()} == slots_before}
+
+
+def _no_buffers_on_rank_1(rb, rank):
     if rank == 1:
         def boom(*a, **k):
             raise RuntimeError("out of memory (injected into plan_moves)")
         rb.plan_moves = boom
-    try:
-        rebalance(model, new if rank == 0 else None, mode=mode)
-        err = None
-    except Exception as e:  # noqa: BLE001
-        err = f"{type(e).__name__}: {e}"[:300]
-    return {"error": err, "diffs": compare_states(before, snapshot(model), identity=True),
-            "slots_kept": {lid: dict(layer.expert_slots)
-                           for lid, layer in moe_layer_map(model).items()} == slots_before}
+
+
+def _outcome_vote_raises(rb, rank):
+    """The first vote (buffers laid out) passes, the outcome vote raises (as when a peer
+    has left the group), on every rank."""
+    from tests.conftest import raising_on_call
+
+    rb.failed_ranks = raising_on_call(rb.failed_ranks, 2, RuntimeError(
+        "Connection reset by peer (injected into the outcome vote)"))
+
+
+def _plan_moves_fails_on_rank_1(rank, world, device, ckpt, mode):
+    return _rebalance_with_a_fault(rank, device, ckpt, mode, _no_buffers_on_rank_1)
 
 
 def _outcome_vote_fails(rank, world, device, ckpt, mode):
-    """Every rank commits, then the outcome vote raises (as when a peer has left the
-    group): each must roll back by itself."""
-    import sys
-
-    from fp8_reload.expert_parallel import rebalance
-
-    rb = sys.modules["fp8_reload.expert_parallel.rebalance"]
-    old = _placement(_OLD2, 2, 5)
-    new = _placement(HAND2["replicas-in"], 2, 5)
-    model = load_rank_model(ckpt, old, rank, device)
-    before = snapshot(model)
-    slots_before = {lid: dict(layer.expert_slots) for lid, layer in moe_layer_map(model).items()}
-    real, calls = rb.failed_ranks, []
-
-    def vote(*a, **k):  # the first vote (buffers laid out) passes, the outcome vote fails
-        calls.append(1)
-        if len(calls) == 2:
-            raise RuntimeError("Connection reset by peer (injected into the outcome vote)")
-        return real(*a, **k)
-
-    rb.failed_ranks = vote
-    try:
-        rebalance(model, new if rank == 0 else None, mode=mode)
-        err = None
-    except Exception as e:  # noqa: BLE001
-        err = f"{type(e).__name__}: {e}"[:300]
-    return {"error": err, "diffs": compare_states(before, snapshot(model), identity=True),
-            "slots_kept": {lid: dict(layer.expert_slots)
-                           for lid, layer in moe_layer_map(model).items()} == slots_before}
+    return _rebalance_with_a_fault(rank, device, ckpt, mode, _outcome_vote_raises)
 
 
 @pytest.fixture(scope="module")

@@ -20,7 +20,7 @@ from fp8_reload.layers import EXPERT_RE
 from fp8_reload.reload.chunks import make_chunks
 from fp8_reload.reload.targets import plan_targets
 
-from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor, tokens
+from .conftest import copy_checkpoint, mix_checkpoints, raising_on_call, rewrite_tensor, tokens
 
 KINDS = ["fp8", "bf16"]
 SPEC = {1: [0, 3], 2: [5, 7]}
@@ -314,15 +314,8 @@ def test_a_failure_half_way_through_the_writes_restores_after_the_queued_ones(ck
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model = fr.load_model(ckpts["fp8", 0], device="cuda")
     before = fr.snapshot(model)
-    real, calls = to_device._land, []
-
-    def land(*args, **kw):
-        calls.append(1)
-        if len(calls) == 6:
-            raise RuntimeError("injected: the device went away")
-        return real(*args, **kw)
-
-    monkeypatch.setattr(to_device, "_land", land)
+    monkeypatch.setattr(to_device, "_land", raising_on_call(
+        to_device._land, 6, RuntimeError("injected: the device went away")))
     with pytest.raises(fr.CommitError, match="injected"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
