@@ -23,11 +23,10 @@ from .slots import (
                         RebalanceError,
                         load_rank_model,
                         moe_layer_map,
-                        pack_slots,
                         row_bytes,
                         slot_tensors,
-                        write_slots,
 )
+from .transfer import pack_slots, write_slots
 from .workload import move_experts, routing_load, skewed_routing, synthetic_load
 
 __all__ = ["DispatchError", "EPForwardStats", "Fetch", "MODES", "Placement", "RankPlan",

@@ -9,8 +9,6 @@ in place, so Parameters keep their identity.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from ..errors import ReloadError
@@ -81,66 +79,6 @@ def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
 def row_bytes(layer: FusedMoE) -> int:
     """Bytes of one slot's complete state."""
     return sum(_rows(t).shape[1] for t in slot_tensors(layer))
-
-
-def _index(slots, device) -> torch.Tensor:
-    """`slots` as an index on `device`. To a GPU it goes from pinned memory without waiting
-    for the device (the caching host allocator keeps the pinned block until the copy ran)."""
-    idx = torch.as_tensor(list(slots), dtype=torch.long)
-    if torch.device(device).type == "cuda":
-        return idx.pin_memory().to(device, non_blocking=True)
-    return idx
-
-
-def pack_slots(layer: FusedMoE, slots: Sequence[int], out: torch.Tensor | None = None
-               ) -> torch.Tensor:
-    """Copy the complete state of `slots` into a flat uint8 buffer (`out` if given).
-
-    Tensor-major layout: for each slot tensor in turn, a contiguous
-    ``[len(slots), bytes]`` block, so packing and unpacking are one gather or
-    scatter per tensor, straight between the Parameters and the buffer (a send
-    buffer on the model's device is written in place, no intermediate copy).
-    """
-    dev = layer.w13_weight.device
-    k = len(slots)
-    if out is None:
-        out = torch.empty(k * row_bytes(layer), dtype=torch.uint8, device=dev)
-    idx = _index(slots, dev)
-    off = 0
-    for t in slot_tensors(layer):
-        rows = _rows(t)
-        n = k * rows.shape[1]
-        src, block = as_words(rows, out[off:off + n].view(k, rows.shape[1]))
-        if block.device == dev:
-            torch.index_select(src, 0, idx, out=block)
-        else:
-            block.copy_(src.index_select(0, idx))
-        off += n
-    return out
-
-
-def write_slots(layer: FusedMoE, slots: Sequence[int], packed: torch.Tensor,
-                rows: Sequence[int] | None = None) -> None:
-    """Scatter a `pack_slots` buffer into `slots` in place (Parameters keep their identity).
-
-    `packed` holds `k` slots; slot ``slots[i]`` takes packed row ``rows[i]``
-    (default: row i), so one received expert can fill several slots.
-    """
-    dev = layer.w13_weight.device
-    width = row_bytes(layer)
-    if packed.numel() % width:
-        raise RebalanceError(f"layer {layer.layer_id}: a buffer of {packed.numel()} bytes does "
-                             f"not hold whole slots of {width} bytes")
-    k = packed.numel() // width
-    packed = packed.to(dev)
-    dst = _index(slots, dev)
-    pick = None if rows is None or list(rows) == list(range(k)) else _index(rows, dev)
-    off = 0
-    for t in slot_tensors(layer):
-        n = _rows(t).shape[1]
-        view, block = as_words(_rows(t), packed[off:off + k * n].view(k, n))
-        view.index_copy_(0, dst, block if pick is None else block.index_select(0, pick))
-        off += k * n
 
 
 def refresh_merged_input_scales(layer: FusedMoE) -> None:

@@ -24,7 +24,7 @@ import torch
 
 from ..kernels.registry import triton_unavailable
 from ..layers import FusedMoE
-from .slots import as_words, slot_tensors
+from .slots import RebalanceError, as_words, slot_tensors
 
 RUN_ALIGN = 256  # bytes: a run's start in its buffer
 
@@ -278,3 +278,33 @@ def plan_moves(mover: RowMover, mine, wire) -> Moves:
 
     return Moves(send_bufs, recv_bufs, sends, received, local, local_in, backup, restore + backup,
                  local_bytes, mirror(send_bufs), mirror(recv_bufs))
+
+
+def pack_slots(layer: FusedMoE, slots: list[int], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The complete state of `slots` as one flat uint8 buffer (`out` if given, written in
+    place): tensor-major, a contiguous ``[len(slots), bytes]`` block per slot tensor, so
+    packing and unpacking are one gather or scatter per tensor (a `RowMover` run)."""
+    dev = layer.w13_weight.device
+    mover = RowMover({0: layer}, dev)
+    n = len(slots) * mover.row_bytes(0)
+    buf = out if out is not None and out.device == dev else torch.empty(n, dtype=torch.uint8, device=dev)
+    mover.gather([Run(0, list(slots), buf, 0, len(slots))])
+    if out is not None and out is not buf:
+        out[:n].copy_(buf)
+        return out
+    return buf
+
+
+def write_slots(layer: FusedMoE, slots: list[int], packed: torch.Tensor, rows: list[int] | None = None
+                ) -> None:
+    """Scatter a `pack_slots` buffer into `slots` in place (Parameters keep their identity);
+    slot ``slots[i]`` takes packed row ``rows[i]`` (default i: one row may fill several)."""
+    dev = layer.w13_weight.device
+    mover = RowMover({0: layer}, dev)
+    width = mover.row_bytes(0)
+    if packed.numel() % width:
+        raise RebalanceError(f"layer {layer.layer_id}: a buffer of {packed.numel()} bytes does "
+                             f"not hold whole slots of {width} bytes")
+    k = packed.numel() // width
+    rows = None if rows is None or list(rows) == list(range(k)) else list(rows)
+    mover.scatter([Run(0, list(slots), packed.to(dev), 0, k, rows)])
