@@ -7,6 +7,8 @@ with the same loader attributes, and untouched slices did not move.
 
 from __future__ import annotations
 
+import itertools
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -22,10 +24,26 @@ def raw_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().contiguous().reshape(-1).view(torch.uint8)
 
 
+_SERIALS: dict[int, int] = {}
+_NEXT_SERIAL = itertools.count()
+
+
+def object_serial(obj) -> int:
+    """A number no other object ever gets. `id()` is not that: once a replaced
+    Parameter dies, CPython hands its address to the next one, so comparing ids
+    could call a replacement "the same object"."""
+    key = id(obj)
+    serial = _SERIALS.get(key)
+    if serial is None:
+        serial = _SERIALS[key] = next(_NEXT_SERIAL)
+        weakref.finalize(obj, _SERIALS.pop, key, None)  # runs before the address is reused
+    return serial
+
+
 @dataclass
 class Snapshot:
     tensors: dict[str, torch.Tensor]  # CPU copies, every parameter and buffer
-    ids: dict[str, int]  # id() of each Parameter object
+    ids: dict[str, int]  # object_serial() of each Parameter object
     attrs: dict[str, dict]  # loader attributes present on each Parameter
 
 
@@ -33,7 +51,7 @@ def snapshot(model: nn.Module) -> Snapshot:
     tensors, ids, attrs = {}, {}, {}
     for name, p in model.named_parameters():
         tensors[name] = p.detach().to("cpu", copy=True)
-        ids[name] = id(p)
+        ids[name] = object_serial(p)
         attrs[name] = {a: getattr(p, a) for a in LOADER_ATTRS if hasattr(p, a)}
     for name, b in model.named_buffers():
         tensors[name] = b.detach().to("cpu", copy=True)

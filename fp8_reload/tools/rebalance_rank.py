@@ -35,7 +35,7 @@ from ..expert_parallel import (
 )
 from ..expert_parallel.group import comm_device
 from ..reload import load_model
-from ..state import compare_states, snapshot
+from ..state import compare_states, object_serial, snapshot
 from ..testing.numeric import calc_diff
 
 
@@ -58,7 +58,7 @@ class DemoSpec:
 
 
 def param_ids(model) -> dict[str, int]:
-    return {n: id(p) for n, p in model.named_parameters()}
+    return {n: object_serial(p) for n, p in model.named_parameters()}
 
 
 def progress(rank: int, text: str) -> None:
