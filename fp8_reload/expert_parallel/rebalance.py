@@ -106,7 +106,9 @@ def _agree(old: Placement, new: Placement | None, mode: str, exclude_sources, gr
 
     Two small collectives whatever the model size: an all-reduce of each rank's placement
     fingerprint (min of x and of -x: all equal iff min == max) and a broadcast of one int64
-    tensor (status, mode, exclusion mask, new table). Nothing is pickled.
+    tensor (status, mode, exclusion mask, new table). Nothing is pickled. Not one merged
+    collective: its size is the table's, and ranks that disagree on the layout would post
+    collectives of different sizes (a hang on NCCL); the fixed-size vote comes first.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     fp = old.fingerprint()
