@@ -297,6 +297,12 @@ EXPERT_SHARD = {"gate_proj": ("w13_", "w1"), "up_proj": ("w13_", "w3"), "down_pr
 STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
 
 
+def expert_of(name: str) -> tuple[int, int] | None:
+    """(layer, expert) of a checkpoint tensor of a routed expert; None for any other."""
+    m = EXPERT_RE.match(name)
+    return None if m is None else (int(name.split(".")[2]), int(m.group(2)))
+
+
 class FP8MoEModel(nn.Module):
     """DeepSeek-V2-style decoder: x [tokens, hidden] bf16 -> [tokens, hidden] bf16."""
 

@@ -27,8 +27,8 @@ print("torch", torch.__version__, "| cuda", torch.cuda.is_available(),
       "|", torch.cuda.get_device_name() if torch.cuda.is_available() else "no GPU")
 PY
 
-echo "== 1. pytest: CUDA cases of tests/test_reliability.py, tests/test_soak.py, tests/test_values.py"
-python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_reliability.py tests/test_soak.py \
+echo "== 1. pytest: CUDA cases of tests/test_reliability.py, tests/test_concurrency.py, tests/test_soak.py, tests/test_values.py"
+python3 -m pytest -q -rs -p no:cacheprovider -W ignore tests/test_reliability.py tests/test_concurrency.py tests/test_soak.py \
     tests/test_values.py -k "cuda or on_the_device" 2>&1 | tee "$OUT/pytest-gpu.log"
 rc=${PIPESTATUS[0]}
 echo "pytest exit code: $rc"

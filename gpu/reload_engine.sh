@@ -9,7 +9,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"
 python3 -m pytest -q -p no:cacheprovider tests/test_stream.py tests/test_requant.py \
-  "tests/test_reload.py" "tests/test_reliability.py" -k "cuda or CUDA or stream or requant" \
+  "tests/test_reload.py" "tests/test_reliability.py" "tests/test_concurrency.py" -k "cuda or CUDA or stream or requant" \
   > "$OUT/pytest_cuda.log" 2>&1; tail -25 "$OUT/pytest_cuda.log"
 # planning across parses, blocked post-processing (its device-peak bound runs only here)
 python3 -m pytest -q -p no:cacheprovider tests/test_blocks.py tests/test_filtered_plan.py \

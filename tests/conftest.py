@@ -23,6 +23,16 @@ from fp8_reload.reload.chunks import Chunk
 torch.set_num_threads(1)
 
 
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+DEVICES = ["cpu", pytest.param("cuda", marks=CUDA)]
+WAIT = 10.0  # seconds a test waits for a thread or event before failing (never hang)
+
+
+def unchanged(model, before) -> list[str]:
+    """How `model` differs from snapshot `before`: bytes, Parameter objects, loader attributes."""
+    return fr.compare_states(before, fr.snapshot(model), identity=True)
+
+
 @pytest.fixture(params=["cpu", "cuda"])
 def device(request) -> str:
     """Every invariant test runs on CPU, and on the GPU where there is one."""

@@ -39,14 +39,8 @@ import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import INDEX_FILE, SINGLE_FILE, Checkpoint
 
 from . import bad_checkpoints as bad
-from .conftest import copy_checkpoint, mix_checkpoints, rewrite_tensor
+from .conftest import WAIT, copy_checkpoint, mix_checkpoints, rewrite_tensor, unchanged
 from .threads import start as start_thread
-
-WAIT = 10.0
-
-
-def unchanged(model, before) -> list[str]:
-    return fr.compare_states(before, fr.snapshot(model), identity=True)
 
 
 def in_thread(fn, *args, timeout: float = WAIT):

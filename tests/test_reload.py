@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import fp8_reload as fr
-from fp8_reload.layers import EXPERT_RE
+from fp8_reload.layers import expert_of
 
 from .conftest import mix_checkpoints, tokens
 
@@ -19,11 +19,6 @@ FILTERS = {
     "one-expert": {1: [3]},
     "several": {1: [0, 3], 2: [7]},
 }
-
-
-def expert_key(name: str):
-    m = EXPERT_RE.match(name)
-    return None if m is None else (int(name.split(".")[2]), int(m.group(2)))
 
 
 def _filter(spec):
@@ -77,7 +72,7 @@ def test_filtered_reload_from_other_checkpoint(device, ckpts, tiny_cfg, tmp_path
     assert report.experts_reloaded == {1: [0, 5], 2: [2]}
 
     mixed = mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1], tmp_path / "mixed",
-                            lambda n: expert_key(n) in chosen)
+                            lambda n: expert_of(n) in chosen)
     assert fr.compare_states(fr.snapshot(fr.load_model(mixed, device=device)), after) == []
 
     # Slot by slot: chosen experts changed, every other expert bit-identical.

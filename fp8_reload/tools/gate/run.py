@@ -19,14 +19,14 @@ from ...device import resolve_device
 from ...errors import BackendUnavailable, DeviceUnavailableError, ReloadError
 from ...kernels import available_backends, run_moe
 from ...kernels.bounds import KINDS, Bounds, BoundsError, load_bounds
-from ...layers import FP8MoEModel, MoEBlock
+from ...layers import FP8MoEModel, MoEBlock, expert_of
 from ...processing import MODES
 from ...reload import generate_weight_name_filter, load_model, update_weights_from_disk
 from ...state import Snapshot, bitwise_equal, compare_states, missing_loaders, snapshot
 from ...testing.numeric import calc_diff
 from ...testing.reference import forward_with_routing, reference_forward, reference_moe
 from .result import CHECKS, Check, GateError, GateResult, StepResult
-from .script import Provenance, ScriptStep, default_script, expert_of
+from .script import Provenance, ScriptStep, default_script
 
 NUM_TOKENS = 64
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ...config import MoEConfig
-from ...layers import EXPERT_RE
 from .result import GateError
 
 
@@ -70,7 +69,4 @@ class Provenance:
         return Provenance(self.base, frozenset(other))
 
 
-def expert_of(name: str) -> tuple[int, int] | None:
-    m = EXPERT_RE.match(name)
-    return None if m is None else (int(name.split(".")[2]), int(m.group(2)))
 
