@@ -118,3 +118,26 @@ def test_a_new_version_renamed_in_while_the_old_is_read_leaves_the_old_read_good
     fr.update_weights_from_disk(model, path)
     assert done
     assert fr.compare_states(expected, fr.snapshot(model)) == []
+
+
+def test_a_header_of_millions_of_metadata_entries_is_refused_before_parsing(ckpts, tmp_path):
+    """The tensor-entry bound counts objects ('{'); `__metadata__` is one object however
+    many members it has: 7 million of them (97 MB, under the 100 MB limit) took 10 s and
+    1.3 GB to parse, the reload lock held. Members are bounded too, before any parsing."""
+    import time
+
+    from fp8_reload.checkpoint.header import MAX_HEADER_MEMBERS
+
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "ckpt")
+    shard = bad.shard_of(path, bad.WEIGHT)
+    header, data = bad.split_safetensors(shard)
+    header["__metadata__"] = {f"{i:x}": "" for i in range(MAX_HEADER_MEMBERS + 1)}
+    bad.join_safetensors(shard, header, data)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    t0 = time.perf_counter()
+    with pytest.raises(fr.CorruptCheckpointError, match="JSON members") as info:
+        fr.update_weights_from_disk(model, path)
+    assert time.perf_counter() - t0 < 1.0
+    assert str(shard) in str(info.value)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
