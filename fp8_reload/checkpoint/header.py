@@ -40,6 +40,9 @@ MAX_HEADER_BYTES = 100_000_000
 # Tensors per file. Real shards hold hundreds to a few thousand; a header of 100 MB of
 # empty entries holds 1.45 million, and parsing them costs ~16 s and 1.7 GB (measured).
 MAX_HEADER_ENTRIES = 1 << 18
+# Members of all JSON objects: four per tensor entry, one per `__metadata__` entry (one
+# object however many members: 7 million of them, 97 MB, cost 10 s and 1.3 GB to parse).
+MAX_HEADER_MEMBERS = 5 * MAX_HEADER_ENTRIES
 
 
 @dataclass(frozen=True)
@@ -193,6 +196,11 @@ def read_header_bytes(f, file: Path) -> tuple[tuple[int, ...], bytes]:
     if entries > MAX_HEADER_ENTRIES:
         raise CorruptCheckpointError(f"{file}: corrupt header: {entries} tensor entries, more than "
                                      f"{MAX_HEADER_ENTRIES} (parsing them would take seconds and GBs)")
+    # every member has one ':' outside strings (those inside strings only add to the bound)
+    members = raw.count(b":")
+    if members > MAX_HEADER_MEMBERS:
+        raise CorruptCheckpointError(f"{file}: corrupt header: up to {members} JSON members, more than "
+                                     f"{MAX_HEADER_MEMBERS} (parsing them would take seconds and GBs)")
     return stamp, head + raw
 
 

@@ -326,11 +326,14 @@ class Checkpoint:
 
     def _check_untouched(self, fname: str, handle, stamp: tuple) -> None:
         """After its tensors were read: a shard written to meanwhile (in place, same
-        size) may have given a torn mix of old and new bytes; its size and mtime tell.
-        Not its ctime: that also moves when the file is only unlinked, which is what
-        a writer replacing it by rename does to the copy being read (its bytes intact)."""
+        size) may have given a torn mix of old and new bytes; its size and mtime tell,
+        and its ctime when the writer put the mtime back (``rsync --inplace``, ``cp -p``).
+        A moved ctime alone is accepted from a file linked nowhere any more: a writer
+        that renames a new version over it unlinks the copy being read (bytes intact)."""
         fpath = self.path / fname
-        if files.stamp(files.fstat(handle, fpath))[:4] != stamp[:4]:
+        st = files.fstat(handle, fpath)
+        now = files.stamp(st)
+        if now[:4] != stamp[:4] or (now[4] != stamp[4] and st.st_nlink > 0):
             raise CorruptCheckpointError(f"{fpath}: changed while it was being read (written to "
                                          "during the load); its tensors are not used")
 
