@@ -141,3 +141,31 @@ def test_a_header_of_millions_of_metadata_entries_is_refused_before_parsing(ckpt
     assert time.perf_counter() - t0 < 1.0
     assert str(shard) in str(info.value)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+
+@pytest.mark.skipif(not __import__("torch").cuda.is_available(), reason="registers shards with CUDA")
+def test_a_version_renamed_in_after_the_plan_is_not_read_through_its_registration(two_versions,
+                                                                                 monkeypatch):
+    """GPU: the shards of a checkpoint reloaded twice are registered for DMA. A writer that
+    renames a new version of one in between the plan (its header parsed) and the copies
+    must not have that file read at the plan's offsets through a fresh registration: the
+    reload is refused and rolled back, as the ring path refuses it."""
+    import fp8_reload.reload.to_device as to_device
+
+    path, shard, other = two_versions
+    model = fr.load_model(path, device="cuda")
+    for _ in range(3):  # read twice: registered from then on
+        fr.update_weights_from_disk(model, path)
+    before = fr.snapshot(model)
+    real = to_device.registered_files
+
+    def renamed_first(model_, ckpt, chunks):
+        staged = shard.with_name(shard.name + ".new")
+        shutil.copyfile(other, staged)
+        os.replace(staged, shard)
+        return real(model_, ckpt, chunks)
+
+    monkeypatch.setattr(to_device, "registered_files", renamed_first)
+    with pytest.raises(fr.ReloadError, match="changed"):
+        fr.update_weights_from_disk(model, path)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []

@@ -243,6 +243,13 @@ class Checkpoint:
         self._header(fname)
         return self._headers[fname].settled
 
+    def parsed_stamp(self, fname: str) -> tuple:
+        """Shard `fname`'s stamp when its header was parsed. Bytes read other than through
+        `open_shard` (a registered mapping of the file) are this parse's only if the file
+        read has this stamp."""
+        self._header(fname)
+        return self._headers[fname].stamp
+
     def open_shard(self, fname: str):
         """Open shard `fname` for its tensor bytes, if it is still the file whose header
         was parsed (same stamp and header bytes): (file, its stamp). A shard replaced or

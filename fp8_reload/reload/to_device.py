@@ -128,7 +128,9 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
         if current is None and want and shards.nbytes() + size <= _register_budget():
             with trace.range("fp8_reload/register", payload=size):
                 current = shards.get(path)
-        if current is not None:
+        # a writer may have renamed a new version in since the plan: its bytes are not at
+        # the parsed offsets; the ring's `open_shard` refuses it with a clear error
+        if current is not None and current.stamp == ckpt.parsed_stamp(fname):
             out[fname] = current
     return out
 
