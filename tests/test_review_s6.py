@@ -169,3 +169,41 @@ def test_a_version_renamed_in_after_the_plan_is_not_read_through_its_registratio
     with pytest.raises(fr.ReloadError, match="changed"):
         fr.update_weights_from_disk(model, path)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+
+def test_the_parsed_header_cache_stays_bounded_under_concurrent_parses(ckpts, monkeypatch):
+    """Reloads of several models parse at once: the cache of parsed headers evicts under
+    a lock (an unlocked `next(iter(...))` could see the dict change size) and keeps its bound."""
+    import json
+    import struct
+    import threading
+
+    from fp8_reload.checkpoint import header
+
+    monkeypatch.setattr(header, "_PARSED", {})
+    monkeypatch.setattr(header, "PARSED_KEEP", 8)
+    shard = bad.shard_of(ckpts["fp8", 0], bad.WEIGHT)
+    raw = shard.read_bytes()
+    (hlen,) = struct.unpack("<Q", raw[:8])
+    meta = json.loads(raw[8:8 + hlen])
+    size = len(raw)
+    errors = []
+
+    def parse(worker):
+        mine = dict(meta)
+        try:
+            for i in range(200):  # each a distinct header: every call past 8 evicts
+                mine["__metadata__"] = {"v": f"{worker}-{i}"}
+                text = json.dumps(mine, separators=(",", ":")).encode()
+                text += b" " * (hlen - len(text))
+                assert len(text) == hlen, "metadata pushed the header past its length"
+                header.parse_shard_header(shard, shard.name, size, raw[:8] + text)
+        except Exception as e:  # noqa: BLE001  (reported below)
+            errors.append(e)
+
+    threads = [threading.Thread(target=parse, args=(w,)) for w in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors and len(header._PARSED) <= 8

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -230,6 +231,7 @@ def read_safetensors_header(file: Path, name: str | None = None) -> dict[str, Te
 # let the plans made from them be reused as they are. The last `PARSED_KEEP` are kept
 # (two alternating checkpoints of a model of hundreds of shards).
 _PARSED: dict[tuple[str, int, bytes], dict[str, TensorInfo]] = {}
+_PARSED_LOCK = threading.Lock()  # reloads of several models may parse at once
 PARSED_KEEP = 512
 
 
@@ -240,9 +242,10 @@ def parse_shard_header(file: Path, name: str, size: int, head: bytes) -> dict[st
     tensors = _PARSED.get(key)
     if tensors is None:
         tensors = _parse_shard_header(file, name, size, head)
-        while len(_PARSED) >= PARSED_KEEP:
-            _PARSED.pop(next(iter(_PARSED)), None)
-        _PARSED[key] = tensors
+        with _PARSED_LOCK:
+            while len(_PARSED) >= PARSED_KEEP:
+                _PARSED.pop(next(iter(_PARSED)), None)
+            _PARSED[key] = tensors
     return tensors
 
 
