@@ -48,7 +48,10 @@ def get_weights_iterator(self, source, **kwargs):
 def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], bool]):
     """Yield (prefix + name, tensor) for the tensors `flt` selects, reading nothing else.
 
-    With an index file, shards holding no selected tensor are not even opened.
+    With an index file, shards holding no selected tensor are not even opened. The order
+    is sglang's reader's (`files` as given, each shard's names sorted), whatever the
+    index's: tensors that land in one slot (an expert's gate and up input scales) must be
+    written in the order of a fresh load.
     """
     from safetensors import safe_open
 
@@ -64,9 +67,9 @@ def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], b
         for f in files:
             with safe_open(f, framework="pt", device="cpu") as st:
                 wanted[f] = [n for n in st.keys() if flt(prefix + n)]
-    for f in sorted(wanted):
+    for f in (f for f in files if f in wanted):
         with safe_open(f, framework="pt", device="cpu") as st:
-            for name in wanted[f]:
+            for name in sorted(wanted[f]):
                 yield prefix + name, st.get_tensor(name)
 
 
