@@ -10,10 +10,14 @@ from __future__ import annotations
 import json
 import shutil
 
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
 import fp8_reload as fr
 
 from .conftest import CFG
-from .sgl_model import MOE_LAYER, byte_diffs
+from .sgl_model import MOE_LAYER, byte_diffs, changed_since, fresh_experts, snapshot
 from .test_weight_updater import _experts, served, updater
 
 E = CFG.num_experts
@@ -44,3 +48,107 @@ def test_filtered_reload_reads_in_sglang_order(patched, cpu_scaled_fp8_quant, se
         weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: range(E)}))
     assert ok, msg
     assert byte_diffs(_experts(model), _experts(served(server_args, "fp8", donor))) == []
+
+
+def _faulty(orig, n: int):
+    """sglang's `FusedMoE._weight_loader_impl`, whose `n`-th call raises (once)."""
+    calls = []
+
+    def impl(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == n:
+            raise RuntimeError("injected fault")
+        return orig(*args, **kwargs)
+
+    return impl
+
+
+def _corrupt(src, dst, name: str):
+    """`src` with tensor `name` one column too wide: sglang's loader fails to copy it."""
+    d = shutil.copytree(src, dst)
+    fname = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"][name]
+    tensors = load_file(d / fname)
+    t = tensors[name]
+    tensors[name] = torch.zeros(t.shape[0], t.shape[1] + 1, dtype=t.dtype)
+    save_file(tensors, d / fname, metadata={"format": "pt"})
+    return d
+
+
+@pytest.mark.xfail(strict=True, reason="fixed in the next commit")
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("n", [1, 4])
+def test_failed_filtered_update_leaves_the_experts_as_they_were(
+        patched, cpu_scaled_fp8_quant, server_args, ckpts, monkeypatch, kind, n):
+    """A loader fault mid-reload: sglang reports "Rolling back to original weights", but its
+    rollback re-reads the *new* path (it set model_config.model_path first). The experts must
+    be as before the call, not the new checkpoint's, nor half of it."""
+    from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+
+    from fp8_reload import sglang_patch
+
+    base, donor = ckpts[(kind, 0)], ckpts[(kind, 1)]
+    model = served(server_args, kind, base)
+    before = snapshot(model)
+    key = (FusedMoE, "_weight_loader_impl")
+    monkeypatch.setitem(sglang_patch.originals.ORIGINALS, key,
+                        _faulty(sglang_patch.originals.ORIGINALS[key], n))
+    ok, msg = updater(server_args, model, base).update_weights_from_disk(
+        str(donor), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: [0, 3]}))
+    assert not ok and "injected fault" in msg
+    assert changed_since(model, before) == ([], [])
+    experts = _experts(model)
+    assert experts._fp8r_loaded == set() and not getattr(experts, "_fp8r_staged", {})
+
+
+@pytest.mark.xfail(strict=True, reason="fixed in the next commit")
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_update_whose_rollback_fails_too_leaves_the_experts_as_they_were(
+        patched, cpu_scaled_fp8_quant, server_args, ckpts, tmp_path, kind):
+    """A tensor sglang cannot load: its rollback reads it again and raises. The experts
+    are as before, and the next reload (of another expert) is a fresh load of the mix."""
+    base, donor = ckpts[(kind, 0)], ckpts[(kind, 1)]
+    bad = _corrupt(donor, tmp_path / "bad", f"model.layers.{MOE_LAYER}.mlp.experts.3.up_proj.weight")
+    model = served(server_args, kind, base)
+    before = snapshot(model)
+    with pytest.raises(RuntimeError):
+        updater(server_args, model, base).update_weights_from_disk(
+            str(bad), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: [0, 3]}))
+    assert changed_since(model, before) == ([], [])
+
+    ok, msg = updater(server_args, model, base).update_weights_from_disk(
+        str(donor), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: [5]}))
+    assert ok, msg
+    expected = fresh_experts(CFG, kind, {e: (donor if e == 5 else base) for e in range(E)})
+    assert byte_diffs(_experts(model), expected) == []
+
+
+def test_bf16_experts_loaded_by_parallel_loaders_are_a_fresh_load(patched, ckpts):
+    """sglang's DeepSeek loader hands every host tensor to a thread pool
+    (`maybe_executor_submit`): gate and up of one expert are written at once. Their staging
+    buffer must be one, not one per thread (the loser's half was left uninitialized)."""
+    import concurrent.futures
+
+    from sglang.srt.model_loader.utils import maybe_executor_submit
+
+    from .sgl_model import EXPERTS_PREFIX, expert_mapping, expert_tensor_names, make_experts, read_tensors
+
+    path = ckpts[("bf16", 0)]
+    tensors = read_tensors(path, expert_tensor_names(path, range(E)))
+    expected = fresh_experts(CFG, "bf16", {e: path for e in range(E)})
+    mapping = expert_mapping(E)
+    for trial in range(20):
+        moe = make_experts(CFG, "bf16")
+        params = dict(moe.named_parameters())
+        with concurrent.futures.ThreadPoolExecutor() as executor:
+            futures = []
+            for name, tensor in tensors:
+                param_name, weight_name, expert_id, shard_id = next(m for m in mapping if m[1] in name)
+                local = name.replace(weight_name, param_name).rsplit("experts.", 1)[1]
+                maybe_executor_submit(executor=executor, futures=futures, use_async=True,
+                                      func=params[local].weight_loader,
+                                      func_args=(params[local], tensor, f"{EXPERTS_PREFIX}.{local}"),
+                                      func_kwargs={"shard_id": shard_id, "expert_id": expert_id})
+            for future in concurrent.futures.as_completed(futures):
+                future.result()
+        moe.quant_method.process_weights_after_loading(moe)
+        assert byte_diffs(moe, expected) == [], f"trial {trial}"

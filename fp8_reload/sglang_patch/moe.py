@@ -11,6 +11,7 @@ the block expansion). Layers this does not cover keep sglang's own code.
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import torch
 from torch.nn import Parameter
@@ -59,6 +60,7 @@ def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_
     # bf16 checkpoint quantized on load: FP8 storage now, bf16 only in staging.
     layer._fp8r_fp8_storage = True
     layer._fp8r_staged = {}
+    layer._fp8r_staging_lock = threading.Lock()  # sglang's loaders may run in a thread pool
     if handles(self, layer):
         for p in (layer.w13_weight, layer.w2_weight):
             p.data = torch.empty(p.shape, dtype=FP8_DTYPE, device=p.device)
@@ -68,11 +70,14 @@ def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_
 
 def _staging_param(layer, param, slot: int) -> Parameter:
     """A one-expert bf16 Parameter sglang's own loader can write into (TP slicing,
-    gate/up halves), carrying the attributes of the real one."""
-    entry = layer._fp8r_staged.setdefault(slot, {"shards": set()})
+    gate/up halves), carrying the attributes of the real one. Gate and up of one expert
+    may be loaded at once (DeepSeek's loader submits host tensors to a thread pool): they
+    must get the same buffer, so it is made under the layer's lock."""
     key = "w13" if param is layer.w13_weight else "w2"
-    if key not in entry:
-        entry[key] = torch.empty(param.shape[1:], dtype=layer.params_dtype, device=param.device)
+    with layer._fp8r_staging_lock:
+        entry = layer._fp8r_staged.setdefault(slot, {"shards": set()})
+        if key not in entry:
+            entry[key] = torch.empty(param.shape[1:], dtype=layer.params_dtype, device=param.device)
     staged = Parameter(entry[key].unsqueeze(0), requires_grad=False)
     staged.__dict__.update(param.__dict__)
     return staged
