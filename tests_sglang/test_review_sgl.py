@@ -74,7 +74,6 @@ def _corrupt(src, dst, name: str):
     return d
 
 
-@pytest.mark.xfail(strict=True, reason="fixed in the next commit")
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("n", [1, 4])
 def test_failed_filtered_update_leaves_the_experts_as_they_were(
@@ -100,7 +99,6 @@ def test_failed_filtered_update_leaves_the_experts_as_they_were(
     assert experts._fp8r_loaded == set() and not getattr(experts, "_fp8r_staged", {})
 
 
-@pytest.mark.xfail(strict=True, reason="fixed in the next commit")
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_update_whose_rollback_fails_too_leaves_the_experts_as_they_were(
         patched, cpu_scaled_fp8_quant, server_args, ckpts, tmp_path, kind):

@@ -18,7 +18,8 @@ own classes, keeping the originals so `revert()` restores them exactly:
 ``Fp8MoEMethod.apply``                          DeepGEMM: ``[E, 2]`` collapsed before the block
                                                 expansion
 ``WeightUpdater.update_weights_from_disk``      makes its ``weight_name_filter`` visible to the
-                                                two loader functions below for the call
+                                                two loader functions below for the call; a
+                                                filtered call that fails restores the experts
 ``DefaultModelLoader._get_weights_iterator``    with a filter: reads only matching tensors
 ``DefaultModelLoader.load_weights_and_postprocess``  with a filter: post-processes only the
                                                 modules whose loaders were called
@@ -40,6 +41,7 @@ Importing this package does not import sglang; `apply()` does.
     moe        the fp8.py / FusedMoE half of the fix
     loader     the loader / updater half: read and post-process only what a filter selects
     originals  what the patch replaced, and the filter of the reload in progress
+    rollback   a failed filtered update puts the patched MoE layers back as they were
     launch     `fp8-reload sglang-launch`
 """
 

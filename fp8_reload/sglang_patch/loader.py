@@ -15,16 +15,29 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from .originals import ACTIVE_FILTER, original
+from .rollback import ExpertBackup
 
 
 def update_weights_from_disk(self, model_path, load_format, weight_name_filter=None,
                              recapture_cuda_graph=False):
+    """sglang's, with the filter visible to the loader; a filtered call that fails
+    (returns False or raises) leaves the patched MoE layers as they were (`rollback`)."""
     token = ACTIVE_FILTER.set(weight_name_filter)
+    backup = None if weight_name_filter is None else ExpertBackup(self.get_model())
     try:
-        return original("WeightUpdater", "update_weights_from_disk")(
+        ok, message = original("WeightUpdater", "update_weights_from_disk")(
             self, model_path, load_format, weight_name_filter=weight_name_filter,
             recapture_cuda_graph=recapture_cuda_graph)
+        if not ok and backup is not None:
+            backup.restore()
+        return ok, message
+    except BaseException:
+        if backup is not None:
+            backup.restore()
+        raise
     finally:
+        if backup is not None:
+            backup.close()
         ACTIVE_FILTER.reset(token)
 
 

@@ -87,6 +87,9 @@ def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert
     impl = original("FusedMoE", "_weight_loader_impl")
     if not handles(self.quant_method, self):
         return impl(self, param, loaded_weight, weight_name, shard_id, expert_id)
+    backup = getattr(self, "_fp8r_backup", None)  # a filtered update in progress
+    if backup is not None:
+        backup.save(self, int(expert_id))
     self._fp8r_loaded.add(int(expert_id))
     if getattr(self, "_fp8r_fp8_storage", False) and (param is self.w13_weight or param is self.w2_weight):
         staged = _staging_param(self, param, int(expert_id))
