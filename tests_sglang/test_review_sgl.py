@@ -150,3 +150,49 @@ def test_bf16_experts_loaded_by_parallel_loaders_are_a_fresh_load(patched, ckpts
                 future.result()
         moe.quant_method.process_weights_after_loading(moe)
         assert byte_diffs(moe, expected) == [], f"trial {trial}"
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_many_updates_alternating_checkpoints_keep_objects_and_loaders(
+        patched, cpu_scaled_fp8_quant, server_args, ckpts, kind):
+    """Twelve filtered updates through sglang's updater, experts in odd orders and
+    repeated, alternating two checkpoints: always a fresh load of the mix, the same
+    Parameter objects, the same loader objects."""
+    a, b = ckpts[(kind, 0)], ckpts[(kind, 1)]
+    model = served(server_args, kind, a)
+    before = snapshot(model)
+    loaders = {n: p.__dict__.get("weight_loader") for n, p in model.named_parameters()}
+    current = {e: a for e in range(E)}
+    steps = [[7, 0, 7], [3], [6, 5, 4, 3, 2, 1, 0], [1, 1, 1], [], [2, 4, 6]] * 2
+    for step, experts in enumerate(steps):
+        src = b if step % 2 == 0 else a
+        ok, msg = updater(server_args, model, a).update_weights_from_disk(
+            str(src), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: experts}))
+        assert ok, msg
+        current.update({e: src for e in experts})
+        assert byte_diffs(_experts(model), fresh_experts(CFG, kind, current)) == [], f"step {step}"
+    assert changed_since(model, before)[0] == []
+    assert {n: p.__dict__.get("weight_loader") for n, p in model.named_parameters()} == loaders
+
+
+def test_fault_in_processing_leaves_the_experts_as_they_were(
+        patched, cpu_scaled_fp8_quant, server_args, ckpts, monkeypatch):
+    from fp8_reload.sglang_patch import moe
+
+    base, donor = ckpts[("fp8", 0)], ckpts[("fp8", 1)]
+    model = served(server_args, "fp8", base)
+    before = snapshot(model)
+    calls = []
+    real = moe.requantize_w13_to_expert_max_
+
+    def faulty(*args):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected processing fault")
+        return real(*args)
+
+    monkeypatch.setattr(moe, "requantize_w13_to_expert_max_", faulty)
+    ok, msg = updater(server_args, model, base).update_weights_from_disk(
+        str(donor), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: [2, 6]}))
+    assert not ok and "injected processing fault" in msg
+    assert changed_since(model, before) == ([], [])
