@@ -196,3 +196,19 @@ def test_fault_in_processing_leaves_the_experts_as_they_were(
         str(donor), "safetensors", weight_name_filter=fr.generate_weight_name_filter({MOE_LAYER: [2, 6]}))
     assert not ok and "injected processing fault" in msg
     assert changed_since(model, before) == ([], [])
+
+
+def test_fp8_update_of_part_of_an_expert_is_refused(patched, cpu_scaled_fp8_quant, server_args, ckpts):
+    """A filter selecting an FP8 expert's weights without their scales: the new FP8 bytes
+    were requantized under the old scales, a model equal to neither checkpoint, reported as
+    a success. Refused (as bf16 checkpoints' partial experts are), the experts untouched."""
+    base, donor = ckpts[("fp8", 0)], ckpts[("fp8", 1)]
+    model = served(server_args, "fp8", base)
+    before = snapshot(model)
+    # sglang's rollback runs the same partial load again, so the refusal escapes it
+    with pytest.raises(RuntimeError, match=r"experts \(local slots\) \[3\] were loaded only in part"):
+        updater(server_args, model, base).update_weights_from_disk(
+            str(donor), "safetensors",
+            weight_name_filter=lambda n: ".experts.3." in n and n.endswith(".weight"))
+    assert changed_since(model, before) == ([], [])
+    assert _experts(model)._fp8r_parts == {}

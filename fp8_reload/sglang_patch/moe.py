@@ -54,6 +54,7 @@ def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_
         self, layer, num_experts, hidden_size, intermediate_size_per_partition, params_dtype,
         with_bias=with_bias, **extra_weight_attrs)
     layer._fp8r_loaded = set()
+    layer._fp8r_parts = {}  # FP8 checkpoints: slot -> the (parameter, shard) pairs loaded
     layer._fp8r_processed = False
     if self.quant_config.is_checkpoint_fp8_serialized or self.block_quant or self.is_fp4_expert:
         return
@@ -91,6 +92,10 @@ def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert
     if backup is not None:
         backup.save(self, int(expert_id))
     self._fp8r_loaded.add(int(expert_id))
+    name = next((n for n in _FP8_PART_NAMES if getattr(self, n, None) is param), None)
+    if name is not None:
+        part = (name, "*" if name.endswith("input_scale") else shard_id)
+        self._fp8r_parts.setdefault(int(expert_id), set()).add(part)
     if getattr(self, "_fp8r_fp8_storage", False) and (param is self.w13_weight or param is self.w2_weight):
         staged = _staging_param(self, param, int(expert_id))
         impl(self, staged, loaded_weight, weight_name, shard_id, 0)
@@ -110,11 +115,35 @@ def _per_expert_input_scale(layer, name: str) -> torch.Tensor:
     return buf
 
 
+# An FP8 checkpoint's expert: gate/up/down weights and weight scales; input scales too
+# when static (gate's and up's land in the same slot: either will do).
+_FP8_PARTS = {("w13_weight", "w1"), ("w13_weight", "w3"), ("w2_weight", "w2"),
+              ("w13_weight_scale", "w1"), ("w13_weight_scale", "w3"), ("w2_weight_scale", "w2")}
+_FP8_PART_NAMES = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
+                   "w13_input_scale", "w2_input_scale")
+
+
+def _check_whole_fp8_experts(method, layer) -> None:
+    """A reload of part of an expert (its weights without their scales, say) would be
+    requantized under the scales of before: refused, as for bf16 checkpoints."""
+    need = set(_FP8_PARTS)
+    if method.quant_config.activation_scheme == "static":
+        need |= {("w13_input_scale", "*"), ("w2_input_scale", "*")}
+    partial = sorted(s for s in layer._fp8r_loaded if not need <= layer._fp8r_parts.get(s, set()))
+    if partial:
+        layer._fp8r_parts.clear()
+        raise RuntimeError(f"{layer.layer_name}: experts (local slots) {partial} were loaded only "
+                           "in part (an FP8 expert needs its weights, weight scales and static "
+                           "input scales together); reload whole experts")
+
+
 def process_weights_after_loading(self, layer) -> None:
     if not handles(self, layer):
         return original("Fp8MoEMethod", "process_weights_after_loading")(self, layer)
     if self.quant_config.is_checkpoint_fp8_serialized:
         first = not layer._fp8r_processed
+        if not first:
+            _check_whole_fp8_experts(self, layer)
         slots = range(layer.num_local_experts) if first else sorted(layer._fp8r_loaded)
         experts = torch.tensor(list(slots), dtype=torch.long)
         if self.quant_config.activation_scheme == "static":
@@ -128,6 +157,7 @@ def process_weights_after_loading(self, layer) -> None:
     else:
         _quantize_staged(layer)
     layer._fp8r_loaded.clear()
+    layer._fp8r_parts.clear()
     layer._fp8r_processed = True
     dispatcher = getattr(layer, "dispatcher", None)
     if dispatcher is not None:  # the dispatcher learns the weight dtype from processing

@@ -39,6 +39,7 @@ class _LayerState:
         self.whole = {n: _host_copy(t) for n, t in _own_tensors(layer).items() if n not in ROWS}
         self.rows: dict[int, list] = {}
         self.loaded = set(layer._fp8r_loaded)
+        self.parts = {slot: set(p) for slot, p in layer._fp8r_parts.items()}
         self.staged = set(getattr(layer, "_fp8r_staged", {}))
         self.processed = layer._fp8r_processed
         for slot in self.loaded | self.staged:  # processing will write these too
@@ -58,6 +59,8 @@ class _LayerState:
                 getattr(layer, name).data[slot].copy_(t)
         layer._fp8r_loaded.clear()
         layer._fp8r_loaded.update(self.loaded)
+        layer._fp8r_parts.clear()
+        layer._fp8r_parts.update(self.parts)
         staged = getattr(layer, "_fp8r_staged", None)
         if staged is not None:
             for slot in [s for s in staged if s not in self.staged]:
