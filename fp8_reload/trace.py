@@ -104,10 +104,13 @@ RANGES: dict[str, RangeInfo] = {
     "fp8_reload/scales_read": RangeInfo("io", "bytes", "read the reload's scales (before anything is "
                                         "written)"),
     "fp8_reload/backup": RangeInfo("reload", "", "phase: back up the slices the reload will change"),
+    "fp8_reload/wait": RangeInfo("reload", "", "phase: take the weights lock exclusively (running "
+                                 "forwards finish; on a GPU, their kernels too)"),
     "fp8_reload/load_weights": RangeInfo("reload", "", "phase: write the weights (streamed into place, "
                                          "or model.load_weights over the staged tensors)"),
     "fp8_reload/drain": RangeInfo("reload", "", "phase: wait for the device to finish what the reload "
                                   "queued, then check the files' stamps"),
+    "fp8_reload/restore": RangeInfo("reload", "", "phase, on a failed commit only: put the backup back"),
     "fp8_reload/register": RangeInfo("io", "bytes", "map one shard and register its pages for DMA"),
     "fp8_reload/dma": RangeInfo("load", "bytes", "queue copies straight from registered shards"),
     "fp8_reload/ring": RangeInfo("load", "bytes", "stream shards through the pinned ring"),
@@ -134,8 +137,9 @@ RANGES: dict[str, RangeInfo] = {
 
 # Reload phases timed by reload._Timer, by phase name.
 PHASES = {"plan": "fp8_reload/plan", "read": "fp8_reload/read", "backup": "fp8_reload/backup",
-          "load": "fp8_reload/load_weights", "process": "fp8_reload/process_weights_after_loading",
-          "drain": "fp8_reload/drain"}
+          "wait": "fp8_reload/wait", "load": "fp8_reload/load_weights",
+          "process": "fp8_reload/process_weights_after_loading", "drain": "fp8_reload/drain",
+          "restore": "fp8_reload/restore"}
 
 
 def category_of(name: str) -> str:
@@ -359,7 +363,7 @@ def range(name: str, category: str | None = None, color: int | str | None = None
 
 
 def phase(name: str):
-    """The range of a reload phase timed by `reload._Timer` (plan, read, backup, load, process)."""
+    """The range of a reload phase timed by `reload._Timer` (`PHASES`)."""
     return range(PHASES.get(name) or PREFIX + name)
 
 

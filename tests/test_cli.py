@@ -169,6 +169,13 @@ def test_profile_requests_that_cannot_run(capsys, tmp_path, monkeypatch, ckpts):
     assert not out.exists() or not any(out.iterdir())  # no checkpoint written first
     assert "unknown scenario 'nope'" in _one_line_error(
         capsys, ["profile", "--out", str(out), "--scenario", "nope", "--device", "cpu"])
+    # an unknown or unavailable backend: refused before a checkpoint is written (docs/profiling.md)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    for backend in ("nope", "triton"):
+        line = _one_line_error(capsys, ["profile", "--out", str(out), "--tool", "torch", "--preset", "tiny",
+                                        "--device", "cpu", "--backend", backend])
+        assert f"MoE backend {backend!r} is not available here" in line
+        assert not out.exists() or not any(out.iterdir())
 
 
 def test_other_commands_refuse_in_one_line(capsys, tmp_path):

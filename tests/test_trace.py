@@ -22,7 +22,7 @@ import torch
 import fp8_reload as fr
 from fp8_reload import trace
 from fp8_reload.tools.profile.events import load_chrome_trace, nest
-from tests.conftest import tokens
+from tests.conftest import raising_on_call, tokens
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -300,6 +300,30 @@ def test_reload_and_forward_ranges_nest_in_a_torch_profiler_trace(ckpts, tiny_cf
         == n["fp8_reload/combine"] >= len(tiny_cfg.moe_layers)
     ops = {o.name for o in events.work}
     assert "aten::matmul" in ops or "aten::mm" in ops
+
+
+def test_every_range_a_load_reload_forward_and_rollback_emit_is_listed(ckpts, tiny_cfg, engine,
+                                                                        monkeypatch):
+    """`RANGES` is the list docs/profiling.md points to and `profile` takes categories from: the
+    library emits nothing beyond it (the commit's "wait" phase and a rollback's "restore" were)."""
+    import fp8_reload.processing as proc
+
+    with trace.recording() as rec:
+        for kind in ("fp8", "bf16"):
+            model = fr.load_model(ckpts[(kind, 0)])
+            fr.update_weights_from_disk(model, ckpts[(kind, 1)])
+            fr.update_weights_from_disk(model, ckpts[(kind, 0)], fr.generate_weight_name_filter({1: [0, 3]}))
+            with torch.no_grad():
+                model(tokens(tiny_cfg, 8))
+        method = proc.FixedFp8MoEMethod
+        monkeypatch.setattr(method, "process_weights_after_loading", raising_on_call(
+            method.process_weights_after_loading, 1, RuntimeError("injected")))
+        with pytest.raises(fr.ReloadError):
+            fr.update_weights_from_disk(model, ckpts[("bf16", 1)])
+    names = {name for name, _ in rec.events}
+    assert {"fp8_reload/wait", "fp8_reload/restore", "fp8_reload/load_model"} <= names
+    assert sorted(names - set(trace.RANGES)) == []
+    assert set(trace.PHASES.values()) <= set(trace.RANGES)
 
 
 # --------------------------------------------------------------------------

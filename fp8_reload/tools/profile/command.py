@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from ... import trace
 from ...device import resolve_device
 from ...errors import BackendUnavailable, ReloadError
+from ...kernels import get_backend
 from ..cli import add_profile_arguments
 from ..usage import UsageError, progress
 from .analyze import load_events, write_summary
@@ -142,6 +143,11 @@ def command(args) -> int:
         raise UsageError(f"--checkpoint {args.checkpoint}: no config.json there")
     workload = _workload(args)
     workload.device = resolve_device(workload.device)
+    if workload.backend:  # an unknown or unavailable backend, before a checkpoint is written
+        try:
+            get_backend(workload.backend)
+        except BackendUnavailable as e:
+            raise UsageError(str(e)) from None
     out.mkdir(parents=True, exist_ok=True)
     workload.resolve(out)
     if args.overhead:
