@@ -109,6 +109,13 @@ def test_only_common_benchmarks_are_compared(root):
     assert compare(b, h) == []
 
 
+def test_nothing_in_common_is_refused_not_passed(root, capsys):
+    b = write_result(root, "m", "a" * 40, {T: (PARAMS, [1.0, 2.0])})
+    h = write_result(root, "m", "b" * 40, {B: (PARAMS, [1.0, 2.0])})
+    assert main(["regress", "--files", str(b), str(h)]) == 2
+    assert "nothing was compared" in capsys.readouterr().err
+
+
 def test_cli_exit_status(root, capsys):
     base, head = pair(root, [1.0, 2.0], [1.25, 2.0])
     assert main(["regress", "--files", str(base), str(head)]) == 1

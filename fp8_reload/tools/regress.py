@@ -351,7 +351,7 @@ def regress(base: str, head: str, repo=".", bench: list[str] | None = None,
             per_round.append(compare(files["base"], files["head"], threshold))
         changes = combine_rounds(per_round) if rounds > 1 else per_round[0]
         log(format_changes(changes, threshold))
-        return 1 if any(c.regression for c in changes) else 0
+        return _verdict(changes, "BASE and HEAD")
     finally:
         for src in work.glob("src-*"):
             subprocess.run(["git", "-C", str(repo), "worktree", "remove", "--force", str(src)],
@@ -370,6 +370,13 @@ def regress_files(base_file, head_file, threshold: float = DEFAULT_THRESHOLD, sh
     except (ValueError, KeyError, TypeError) as e:
         raise UsageError(f"{base_file}, {head_file}: not asv result files ({e})") from None
     log(format_changes(changes, threshold, show_all))
+    return _verdict(changes, f"{base_file} and {head_file}")
+
+
+def _verdict(changes: list[Change], sides: str) -> int:
+    """1 on a regression, 0 when none; refused when nothing was compared (that is no pass)."""
+    if not changes:
+        raise UsageError(f"{sides} have no benchmark result in common: nothing was compared")
     return 1 if any(c.regression for c in changes) else 0
 
 
