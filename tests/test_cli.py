@@ -209,3 +209,16 @@ def test_ctrl_c_exits_130_in_one_line_and_removes_temp_files(tmp_path):
     assert proc.returncode == 130, err
     assert "Traceback" not in err and err.strip().splitlines()[-1] == "fp8-reload demo: interrupted"
     assert not list(tmp_path.glob("fp8-reload-demo-*"))
+
+
+def test_sglang_launch_refuses_in_one_line_like_every_command(monkeypatch, capsys):
+    """Without the supported sglang the launcher exits 2 with the CLI's one error line."""
+    from fp8_reload.sglang_patch import launch, patch
+
+    def missing():
+        raise patch.UnsupportedSGLangVersion("sglang is not installed")
+
+    monkeypatch.setattr(launch, "check_version", missing)
+    assert cli.main(["sglang-launch", "--", "--model-path", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err == "fp8-reload sglang-launch: error: sglang is not installed\n"

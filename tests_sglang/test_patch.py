@@ -111,4 +111,6 @@ def test_launcher_refuses_an_unknown_version(monkeypatch, capsys):
 
     monkeypatch.setattr(sglang_patch.patch, "installed_version", lambda: "0.6.0")
     assert main(["sglang-launch", "--", "--model-path", "x"]) == 2
-    assert "supports sglang 0.5.23, found 0.6.0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert err.startswith("fp8-reload sglang-launch: error: ")
+    assert "supports sglang 0.5.23, found 0.6.0" in err

@@ -11,6 +11,10 @@ from .patch import ENV_ENABLE, UnsupportedSGLangVersion, apply, check_version, r
 PLUGIN = "fp8_reload.sglang_patch:sglang_plugin"
 
 
+class LaunchRefused(RuntimeError):
+    """Why no server was launched (the command line prints it, exit status 2)."""
+
+
 def plugin_registered() -> bool:
     return any(ep.value == PLUGIN for ep in metadata.entry_points(group="sglang.srt.plugins"))
 
@@ -20,17 +24,17 @@ def launch(server_args: list[str], check: bool = False) -> int:
 
     The environment variable reaches every process sglang spawns, and each of
     them runs its plugin loader, which applies the patch. ``check=True`` applies
-    the patch here once, reports it, reverts, and launches nothing.
+    the patch here once, reports it, reverts, and launches nothing. Raises
+    `LaunchRefused` when it cannot (sglang missing or of another version, plugin
+    entry point not installed).
     """
     try:
         version = check_version()
     except UnsupportedSGLangVersion as e:
-        print(f"fp8-reload: {e}", file=sys.stderr)
-        return 2
+        raise LaunchRefused(str(e)) from None
     if not plugin_registered():
-        print("fp8-reload: the sglang plugin entry point is not registered: install this package "
-              "into sglang's environment (pip install --no-deps -e .)", file=sys.stderr)
-        return 2
+        raise LaunchRefused("the sglang plugin entry point is not registered: install this "
+                            "package into sglang's environment (pip install --no-deps -e .)")
     if check:
         names = apply()
         revert()

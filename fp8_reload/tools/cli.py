@@ -72,10 +72,13 @@ def _run(module: str):
 
 
 def _sglang_launch(args) -> int:
-    from ..sglang_patch import launch
+    from ..sglang_patch.launch import LaunchRefused, launch
 
     server_args = args.server_args[1:] if args.server_args[:1] == ["--"] else args.server_args
-    return launch(server_args, check=args.check)
+    try:
+        return launch(server_args, check=args.check)
+    except LaunchRefused as e:
+        raise UsageError(str(e)) from None
 
 
 def _command(sub, name: str, summary: str, description: str, handler) -> argparse.ArgumentParser:
