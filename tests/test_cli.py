@@ -213,7 +213,10 @@ def test_ctrl_c_exits_130_in_one_line_and_removes_temp_files(tmp_path):
 
 def test_sglang_launch_refuses_in_one_line_like_every_command(monkeypatch, capsys):
     """Without the supported sglang the launcher exits 2 with the CLI's one error line."""
-    from fp8_reload.sglang_patch import launch, patch
+    import importlib
+
+    launch = importlib.import_module("fp8_reload.sglang_patch.launch")  # the module, not the function
+    patch = importlib.import_module("fp8_reload.sglang_patch.patch")
 
     def missing():
         raise patch.UnsupportedSGLangVersion("sglang is not installed")
