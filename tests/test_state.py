@@ -3,8 +3,6 @@ dead Parameter's address to its replacement (the CI run that failed on gate step
 
 from __future__ import annotations
 
-import gc
-
 import torch
 from torch import nn
 
@@ -13,17 +11,14 @@ from fp8_reload.state import compare_states, object_serial, snapshot
 
 def test_replacement_at_the_dead_ones_address_is_not_the_same_object():
     mod = nn.Module()
-    mod.w = nn.Parameter(torch.zeros(3), requires_grad=False)
-    before = snapshot(mod)
-    address = id(mod.w)
-    del mod.w
-    gc.collect()
-    kept = []  # CPython hands a freed object's memory to a next one of its size
-    while len(kept) < 1000:
-        mod.w = nn.Parameter(torch.zeros(3), requires_grad=False)
+    for _ in range(1000):  # CPython most often hands a freed object's memory to the next one
+        mod.w = nn.Parameter(torch.zeros(3), requires_grad=False)  # of its size: try until it does
+        before = snapshot(mod)
+        address, data = id(mod.w), torch.zeros(3)  # (made first: it could take the address)
+        del mod.w
+        mod.w = nn.Parameter(data, requires_grad=False)
         if id(mod.w) == address:
             break
-        kept.append(mod.w)
     assert id(mod.w) == address, "no replacement landed at the old address"
     now = snapshot(mod)
     assert now.ids != before.ids
