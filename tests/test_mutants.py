@@ -7,12 +7,15 @@ of the gate itself, on a real model loaded from a real checkpoint.
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import fp8_reload as fr
 from fp8_reload.processing import FixedFp8LinearMethod
 from fp8_reload.processing import linear as linear_mod
 from fp8_reload.tools import gate
+
+from . import bad_checkpoints as bad
 
 
 def _first_moe(model):
@@ -66,3 +69,13 @@ def test_linear_reading_the_wrong_scale_fails_ref_model(tmp_path, monkeypatch):
     r = gate.run_gate(workdir=tmp_path, device="cpu", kinds="fp8", log=lambda s: None)
     failed = {c.name for _, c in r.failures() if c.status == "fail"}
     assert not r.passed and failed == {"ref.model"}, gate.format_report(r)
+
+
+def test_overlapping_data_offsets_are_refused_as_an_overlap(ckpts, tiny_cfg, tmp_path):
+    """Two tensors on one byte range: the message names that cause (the tiling check
+    behind it would only say that minus some bytes belong to no tensor)."""
+    model = fr.load_model(ckpts["fp8", 0])
+    path, _ = bad.overlapping_offsets(ckpts["fp8", 0], tmp_path, "fp8", tiny_cfg)
+    with pytest.raises(fr.CorruptCheckpointError, match=r"corrupt header: tensor '.+' overlaps "
+                       r"the data of tensor '.+'"):
+        fr.update_weights_from_disk(model, path)
