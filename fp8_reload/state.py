@@ -85,6 +85,10 @@ def compare_states(a: Snapshot, b: Snapshot, *, identity: bool = False) -> list[
                 diffs.append(f"{name}: Parameter object replaced")
             elif set(a.attrs.get(name, {})) != set(b.attrs.get(name, {})):
                 diffs.append(f"{name}: loader attributes {sorted(a.attrs[name])} -> {sorted(b.attrs[name])}")
+            else:  # the same objects: a loader swapped for another is not sglang's any more
+                swapped = sorted(k for k, v in a.attrs.get(name, {}).items() if b.attrs[name][k] is not v)
+                if swapped:
+                    diffs.append(f"{name}: loader attributes {swapped} replaced")
     return diffs
 
 

@@ -29,3 +29,16 @@ def test_serial_stays_while_the_object_lives():
     p = nn.Parameter(torch.zeros(2))
     assert object_serial(p) == object_serial(p)
     assert object_serial(p) != object_serial(nn.Parameter(torch.zeros(2)))
+
+
+def test_a_loader_swapped_for_another_is_reported():
+    """Same attribute names, another loader: the next reload would not run the one
+    the model was built with."""
+    mod = nn.Module()
+    mod.w = nn.Parameter(torch.zeros(2), requires_grad=False)
+    mod.w.weight_loader = lambda p, t: p.data.copy_(t)
+    before = snapshot(mod)
+    assert compare_states(before, snapshot(mod), identity=True) == []
+    mod.w.weight_loader = lambda p, t: p.data.copy_(t)
+    diffs = compare_states(before, snapshot(mod), identity=True)
+    assert diffs == ["w: loader attributes ['weight_loader'] replaced"]
