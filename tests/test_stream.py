@@ -13,6 +13,7 @@ import torch
 
 import fp8_reload as fr
 import fp8_reload.checkpoint.files as files_mod
+import fp8_reload.checkpoint.header as header_mod
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
@@ -111,7 +112,8 @@ def _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec):
         assert after.ids == before.ids  # every Parameter the same object
     assert report.bytes_read == sum(fr.Checkpoint(ckpts[kind, 1]).info(n).nbytes
                                     for n in fr.Checkpoint(ckpts[kind, 1]).names if flt is None or flt(n))
-    fr.release_staging(model)  # registrations and rings given back; the next reload rebuilds them
+    fr.release_staging(model)  # registrations, rings and parsed headers given back; the next
+    assert not header_mod._PARSED  # reload rebuilds them
     fr.update_weights_from_disk(model, ckpts[kind, 0])
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 0], device=device)),
                              fr.snapshot(model)) == []

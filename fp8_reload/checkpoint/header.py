@@ -235,6 +235,12 @@ _PARSED_LOCK = threading.Lock()  # reloads of several models may parse at once
 PARSED_KEEP = 512
 
 
+def forget_parsed() -> None:
+    """Drop every kept parse (`release_staging`): a few MiB per checkpoint of a large model."""
+    with _PARSED_LOCK:
+        _PARSED.clear()
+
+
 def parse_shard_header(file: Path, name: str, size: int, head: bytes) -> dict[str, TensorInfo]:
     """`head` parsed (`_parse_shard_header`), or what the same name, size and bytes parsed
     to before. The dict returned is shared: read it, never change it."""

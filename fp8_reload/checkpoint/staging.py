@@ -18,6 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from .header import forget_parsed
+
 ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can view it)
 READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", "8"))
 
@@ -96,9 +98,11 @@ def release_staging(model) -> None:
     """Give back what reloads hold between calls: pinned staging, backup and ring
     memory, registered shards, device scratch, and where tensors land (views of the
     Parameters' memory, kept from `load_model` on: memory a Parameter was moved off
-    stays allocated while they hold it). The next reload re-allocates and re-plans."""
+    stays allocated while they hold it), and the process's parsed shard headers (shared
+    by every model: theirs are parsed again). The next reload re-allocates and re-plans."""
     for thing in held(model).values():
         thing.release()
+    forget_parsed()
 
 
 def aligned(nbytes: int) -> int:
