@@ -246,3 +246,39 @@ def test_four_ranks_minimum_slots_and_replicas_equal_fresh_load(ckpts):
             for i, s in enumerate(steps):
                 assert s["error"] is None and s["at_new"], (kind, rank, i, s["error"])
                 assert not s["fresh_diffs"], (kind, rank, i, s["fresh_diffs"][:3])
+
+
+# --------------------------------------------------------------------------
+# Forward: every token to one expert, a rank without tokens, world 4 at minimum slots
+# --------------------------------------------------------------------------
+
+def _hot_forward(rank, world, device, ckpt, placement):
+    import fp8_reload as fr
+    from fp8_reload.expert_parallel import ep_moe_forward
+    from fp8_reload.kernels import CROSS_SCHEME_BOUND
+
+    full = fr.load_model(ckpt)
+    model = load_rank_model(ckpt, placement, rank, device)
+    k = full.config.top_k
+    n = 0 if rank == 1 else 16 + rank
+    x = torch.randn(n, full.config.hidden_size, generator=torch.Generator().manual_seed(rank)
+                    ).to(torch.bfloat16)
+    out = []
+    for layer in LAYERS:
+        ids = torch.stack([torch.full((n,), 3)] + [torch.full((n,), 3 + j) for j in range(1, k)], 1)
+        w = torch.full((n, k), 1.0 / k)
+        y = ep_moe_forward(model, layer, x, (w, ids))
+        if n:
+            ref = full.model.layers[layer].mlp(x, routing=(w, ids))
+            out.append(fr.calc_diff(y, ref) <= CROSS_SCHEME_BOUND and y.shape == x.shape)
+        else:
+            out.append(y.shape == x.shape)
+    return out
+
+
+def test_four_ranks_all_tokens_to_one_expert_and_a_rank_without_tokens(ckpts):
+    placement = Placement(LAYERS, E, 4, 2, torch.arange(E).flip(0).repeat(len(LAYERS), 1))
+    res = _bounded(_hot_forward, 4, str(ckpts["fp8", 0]), placement, deadline=150)
+    for rank, r in enumerate(res):
+        assert not isinstance(r, dict), r.get("crashed")
+        assert all(r), (rank, r)
