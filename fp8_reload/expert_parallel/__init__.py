@@ -7,6 +7,7 @@ and moving experts between ranks.
     forward    the collective MoE forward: dispatch, local experts, combine
     slots      a rank's share of the model; a slot's state packed as one row of bytes
     plan       what every rank changes and where each new expert comes from
+    agree      every rank takes rank 0's request, or every rank refuses it (no rank left waiting)
     rebalance  the collective transaction: agree, stage, exchange / read, commit, roll back
     group      process groups: joining, communication devices, warm-up
     launch     spawning ranks (or joining under torchrun), a persistent pool of ranks
