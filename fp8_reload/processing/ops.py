@@ -157,6 +157,23 @@ def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: to
         _requantize_torch_(w13, w13_scale, idx, shard_size)
 
 
+def fp8_expert_layout(w13, w13_scale, w2, w2_scale) -> bool:
+    """Whether a layer's experts can be quantized by address (`expert_row`): contiguous
+    1-byte FP8 weights and float32 scales, the byte offsets the rows assume."""
+    return (w13.dtype == w2.dtype == FP8_DTYPE and w13_scale.dtype == w2_scale.dtype == torch.float32
+            and w13.is_contiguous() and w13_scale.is_contiguous() and w2.is_contiguous()
+            and w2_scale.is_contiguous())
+
+
+def expert_row(w13, w13_scale, w2, w2_scale, slot: int, sources: tuple[int, int, int]) -> tuple[int, ...]:
+    """Slot `slot`'s row for the Triton `quantize_experts_`: the addresses of its bf16 gate,
+    up and down (`sources`), then of its FP8 w13 and w2 rows and its two scales (a layer
+    of `fp8_expert_layout`)."""
+    return (*sources, w13.data_ptr() + slot * w13.stride(0), w2.data_ptr() + slot * w2.stride(0),
+            w13_scale.data_ptr() + 4 * slot * w13_scale.stride(0),
+            w2_scale.data_ptr() + 4 * slot * w2_scale.stride(0))
+
+
 def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: list[int]) -> None:
     """Two launches per chunk of experts, each expert a row of addresses computed from the
     layout (a view per piece costs more host time than one expert's kernels take). Pieces
@@ -169,8 +186,6 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
             if t.numel() != numel or t.dtype != torch.bfloat16 or not t.is_contiguous():
                 raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size or dtype")
             on_device = on_device and t.get_device() == dev
-    b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), w13_scale.data_ptr(), w2_scale.data_ptr()
-    e13, e2, f13, f2 = w13.stride(0), w2.stride(0), 4 * w13_scale.stride(0), 4 * w2_scale.stride(0)
     cols = w13_scale.numel() // w13_scale.shape[0]
     step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
     for i in range(0, len(slots), step):
@@ -180,8 +195,8 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
             if not on_device:  # kept (`copies`) until the kernels are queued behind them
                 p = {n: t.to(w13.device, non_blocking=True) for n, t in p.items()}
                 copies.append(p)
-            rows.append((p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr(), b13 + s * e13,
-                         b2 + s * e2, c13 + s * f13, c2 + s * f2))
+            rows.append(expert_row(w13, w13_scale, w2, w2_scale, s,
+                                   (p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr())))
         _requant().quantize_experts_(w13.device, numel, cols, rows)
 
 
@@ -201,9 +216,7 @@ def quantize_staged_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, w2: tor
     # the address path assumes bf16 pieces, 1-byte FP8 weights and float32 scales (its byte
     # offsets): bf16 is the first piece's, each piece is checked there
     if (on_triton(w13) and next(iter(staged[slots[0]].values())).dtype == torch.bfloat16
-            and w13.dtype == w2.dtype == FP8_DTYPE and w13_scale.dtype == w2_scale.dtype == torch.float32
-            and w13.is_contiguous() and w13_scale.is_contiguous() and w2.is_contiguous()
-            and w2_scale.is_contiguous()):
+            and fp8_expert_layout(w13, w13_scale, w2, w2_scale)):
         quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots)
         return
     per_expert = 2 * inter * w13.shape[2] * 4

@@ -36,7 +36,7 @@ from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
-from ..processing.ops import on_triton
+from ..processing.ops import expert_row, fp8_expert_layout, on_triton
 from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
 from .targets import Target
 
@@ -155,17 +155,13 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
         numel = w2[0].numel()
         if (any(v.dtype != torch.bfloat16 or v.numel() != numel for v in views.values())
-                or w13.dtype != torch.float8_e4m3fn or s13.dtype != torch.float32 or s2.dtype != torch.float32
-                or not all(t.is_contiguous() for t in (w13, w2, s13, s2)) or w13[0].numel() != 2 * numel):
+                or not fp8_expert_layout(w13, s13, w2, s2) or w13[0].numel() != 2 * numel):
             raise ValueError(f"quantize-on-load: {next(iter(shards.values())).module_name}: pieces or "
                              "weights of another size, dtype or layout")
-        cols = s13.numel() // s13.shape[0]
-        rows = rows_of.setdefault((numel, cols), [])
+        rows = rows_of.setdefault((numel, s13.numel() // s13.shape[0]), [])
         src3 = (views["w1"].data_ptr(), views["w3"].data_ptr(), views["w2"].data_ptr())
-        b13, b2, c13, c2 = w13.data_ptr(), w2.data_ptr(), s13.data_ptr(), s2.data_ptr()
-        for slot in next(iter(shards.values())).slots:  # FP8: one byte an element; scales 4
-            rows.append(src3 + (b13 + slot * w13.stride(0), b2 + slot * w2.stride(0), c13 + 4 * slot * cols,
-                                c2 + 4 * slot))
+        for slot in next(iter(shards.values())).slots:
+            rows.append(expert_row(w13, s13, w2, s2, slot, src3))
     if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
         checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
     for (numel, cols), rows in rows_of.items():
