@@ -119,7 +119,8 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
     out = {}
     for fname, nbytes in read.items():
         path = ckpt.path / fname
-        size = os.path.getsize(path)
+        parsed = ckpt.parsed_stamp(fname)  # (size is its third field: no stat here)
+        size = parsed[2]
         mostly = 2 * nbytes >= size
         if mostly:
             ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
@@ -130,7 +131,7 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
                 current = shards.get(path)
         # a writer may have renamed a new version in since the plan: its bytes are not at
         # the parsed offsets; the ring's `open_shard` refuses it with a clear error
-        if current is not None and current.stamp == ckpt.parsed_stamp(fname):
+        if current is not None and current.stamp == parsed:
             out[fname] = current
     return out
 
