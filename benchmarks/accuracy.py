@@ -26,7 +26,7 @@ class ForwardAccuracy(CheckpointSuite):
     param_names = ["preset", "backend", "tokens"]
 
     def setup(self, paths, preset, backend, tokens):
-        requires_backend(backend)
+        requires_backend(backend, preset)
         self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
 
     def track_calc_diff(self, paths, preset, backend, tokens):

@@ -166,8 +166,9 @@ def requires_deep_gemm() -> None:
         raise NotImplementedError("needs deep_gemm") from e
 
 
-def requires_backend(name: str) -> None:
-    """Skip unless MoE forward backend `name` is registered and usable on `DEVICE`."""
+def requires_backend(name: str, preset: str | None = None) -> None:
+    """Skip unless MoE forward backend `name` is registered and usable on `DEVICE` (and,
+    given a `preset`, on its shapes: DeepGEMM's tiles need 128-aligned sizes)."""
     if name == "triton":
         requires_triton()
     elif name.startswith("deep_gemm"):
@@ -175,6 +176,15 @@ def requires_backend(name: str) -> None:
     if name not in kernels.available_backends():
         why = getattr(kernels, "UNAVAILABLE", {}).get(name, "not registered in fp8_reload.kernels")
         raise NotImplementedError(f"MoE backend {name!r} is not available: {why}")
+    if name.startswith("deep_gemm") and preset is not None:
+        from fp8_reload.errors import BackendUnavailable
+        from fp8_reload.kernels.deep_gemm import check_shapes
+
+        cfg = preset_config(preset)
+        try:
+            check_shapes(cfg.hidden_size, cfg.moe_intermediate_size)
+        except BackendUnavailable as e:
+            raise NotImplementedError(str(e)) from None
 
 
 # --------------------------------------------------------------------------

@@ -39,7 +39,7 @@ class MoEForward(CheckpointSuite):
     param_names = ["preset", "backend", "tokens"]
 
     def setup(self, paths, preset, backend, tokens):
-        requires_backend(backend)
+        requires_backend(backend, preset)
         self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
         if (preset, backend, tokens) not in _warm:  # JIT compilation, autotuning
             self.batch.forward(backend)
@@ -59,7 +59,7 @@ class DeepGemmScaleMode(CheckpointSuite):
     param_names = ["preset", "scale_mode", "tokens"]
 
     def setup(self, paths, preset, scale_mode, tokens):
-        requires_backend("deep_gemm")
+        requires_backend("deep_gemm", preset)
         forward = require(*DEEPGEMM_FORWARD)
         self.batch = RoutedBatch(paths[checkpoint_key(preset, "fp8")], tokens)
         b = self.batch

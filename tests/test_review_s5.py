@@ -238,7 +238,7 @@ def _land_one(chunk, src):
     slots = to_device.DeviceSlots()
     slots.reserve(chunk.extent, "cpu")
     checks: list = []
-    to_device._land(chunk, src, 0, slots, to_device.RowTables(), lambda module, slots=(): None,
+    to_device._land(chunk, src, 0, slots, to_device.RowTables(), True, lambda module, slots=(): None,
                     checks, None)
     return checks
 

@@ -86,18 +86,36 @@ def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts
                                                                       report.bytes_read)
 
 
-@pytest.mark.parametrize("spec", [None, pytest.param(SPEC, marks=pytest.mark.xfail(
-    strict=True, reason="known bug of the opt-in path, not understood yet: on the H200 the reloaded "
-    "experts of a filtered reload differ from a fresh load (full reloads match); off by default"))],
-    ids=["full", "filtered"])
-def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec):
-    """The opt-in path (FP8_RELOAD_STREAM_QUANT=1): bf16 experts quantized from a device slot."""
+@pytest.mark.parametrize("in_stream", [True, False], ids=["in-stream", "loaders"])
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec,
+                                                              in_stream):
+    """bf16 experts quantized from a device slot (the default on a GPU), or through their
+    loaders (FP8_RELOAD_STREAM_QUANT=0). A filtered reload whose targets were all quantized
+    in the stream once took the host path (no target had a view to tell the device by) and
+    wrote nothing."""
     import fp8_reload.reload.targets as targets_mod
 
     if not torch.cuda.is_available():
         pytest.skip("quantizing inside the stream is a CUDA path (CPU experts take their loaders)")
-    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", in_stream)
     _reload_twice_and_compare(ckpts, tmp_path, "cuda", "bf16", spec)
+
+
+def test_experts_to_quantize_in_the_stream_are_never_dropped_on_the_host(ckpts):
+    """Quant targets (bf16 experts, no view) are a GPU path: the host commit refuses them
+    instead of reporting a reload that wrote nothing."""
+    from fp8_reload.reload.stream import commit, prepare
+
+    model = fr.load_model(ckpts["bf16", 0])
+    ckpt = fr.Checkpoint(ckpts["bf16", 1])
+    names = [n for n in ckpt.names if fr.generate_weight_name_filter({1: [0]})(n)]
+    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device=True)
+    assert targets and {t.kind for t in targets} == {"quant"} and all(not t.views for t in targets)
+    assert all(t.device == model.model.layers[1].mlp.experts.w13_weight.device for t in targets)
+    prep = prepare(ckpt, targets, {})
+    with pytest.raises(RuntimeError, match="only on a GPU"):
+        commit(model, prep, {})
 
 
 def _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec):
@@ -346,3 +364,27 @@ def test_a_parse_made_while_its_files_were_fresh_settles_once_they_have(ckpts, t
     fr.update_weights_from_disk(model, path)
     assert len(calls) == before
     assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []
+
+
+def test_every_reader_thread_takes_a_piece_of_a_small_chunk():
+    """A filtered reload's chunk is one expert: cut for every reader thread (never below
+    1 MiB), where 8 MiB pieces left it to one or two threads; a full reload's 64 MiB
+    chunks keep their 8 MiB pieces."""
+    threads = chunks_mod.READ_THREADS
+    big = chunks_mod.piece_bytes(64 << 20)
+    assert big == min(chunks_mod.PIECE_BYTES, max(1 << 20, (64 << 20) // threads))
+    assert chunks_mod.piece_bytes(8 << 20) == max(1 << 20, -(-(8 << 20) // threads))
+    assert chunks_mod.piece_bytes(100) == 1 << 20
+
+
+def test_a_filtered_reload_keeps_no_copy_table():
+    """Copy tables are kept for the next full reload, which lands the same copies; a
+    filtered reload's differ from one rebalance to the next (kept, they piled up: the
+    soak's live tensors grew on the H200)."""
+    pytest.importorskip("triton")
+    tables = to_device.RowTables()
+    copies = (0, 1024, 64)
+    first = tables.get(0, copies, "cpu", keep=False)
+    assert first.rows == 1 and tables.tables == {}
+    kept = tables.get(0, copies, "cpu")
+    assert tables.get(0, copies, "cpu") is kept and len(tables.tables) == 1

@@ -24,7 +24,7 @@ import torch
 
 from .. import trace
 from ..checkpoint.reader import Checkpoint, open_shard, read_span
-from ..checkpoint.staging import held, reader_pool
+from ..checkpoint.staging import READ_THREADS, held, reader_pool
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
 from .targets import Target
@@ -32,6 +32,14 @@ from .targets import Target
 CHUNK_BYTES = int(os.environ.get("FP8_RELOAD_CHUNK_BYTES", 64 << 20))
 RING_SLOTS = int(os.environ.get("FP8_RELOAD_RING_SLOTS", 4))
 PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a chunk
+MIN_PIECE_BYTES = 1 << 20
+
+
+def piece_bytes(nbytes: int) -> int:
+    """Pieces of a chunk of `nbytes`: every reader thread takes one. A filtered reload's
+    chunks are an expert each (~8 MiB at v2-lite size): in `PIECE_BYTES` pieces one or
+    two threads read each, and its reads took 3x the page cache's time."""
+    return min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-nbytes // max(1, READ_THREADS))))
 
 
 @dataclass
@@ -217,8 +225,9 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
                   what=f"bytes {off}..{off + n}")
 
     def submit(pool, k: int) -> list:
-        return [pool.submit(read_piece, k, off + p, min(PIECE_BYTES, n - p), at + p)
-                for off, n, at in chunks[k].spans for p in range(0, n, PIECE_BYTES)]
+        piece = piece_bytes(chunks[k].nbytes)
+        return [pool.submit(read_piece, k, off + p, min(piece, n - p), at + p)
+                for off, n, at in chunks[k].spans for p in range(0, n, piece)]
 
     try:
         for f in sorted({c.file for c in chunks}):  # still the parsed files (Checkpoint.open_shard)

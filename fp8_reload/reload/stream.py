@@ -42,6 +42,7 @@ class Prepared:
     scalar_values: list[float]
     loaded: list[tuple[str, torch.Tensor]]  # (name, host tensor) for the modules' own loaders
     check: bool  # values not yet known good under these files' stamps
+    whole: bool = True  # no filter: the next reload most likely lands the same copies
 
     @property
     def staged_bytes(self) -> int:
@@ -53,7 +54,7 @@ def _check_host(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
         raise invalid_tensor_error(str(ckpt.path / ckpt.weight_map[name]), name, tensor)
 
 
-def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None) -> Prepared:
+def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, whole: bool = True) -> Prepared:
     """Read and check the scales and the tensors that take a Python loader (into `into`,
     a pinned arena, on a GPU). Nothing in the model is written."""
     check = not all(t.info.name in ckpt.checked for t in targets)
@@ -67,7 +68,7 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None) -> 
     if check:
         for name, tensor in loaded:
             _check_host(ckpt, name, tensor)
-    return Prepared(ckpt, targets, values, loaded, check)
+    return Prepared(ckpt, targets, values, loaded, check, whole)
 
 
 def _write_scalars(targets: list[Target], values: list[float]) -> None:
@@ -97,7 +98,9 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
     """
     streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
     scalars = [t for t in prep.targets if t.kind == "scalar"]
-    device = next((v.device for t in prep.targets for v in t.views), torch.device("cpu"))
+    # (a filtered bf16 reload may hold only quant targets, which have no views: taken for
+    # a CPU reload, it once wrote nothing at all and reported success)
+    device = next((t.device for t in prep.targets if t.views or t.kind == "quant"), torch.device("cpu"))
     if device.type == "cuda":
         _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats)
     else:
@@ -130,7 +133,7 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> Non
 
     stream.wait_stream(torch.cuda.current_stream(device))
     if streamed:
-        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats)
+        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, keep_tables=prep.whole)
     # the scales last: written first, they would make the copy stream wait for the backup
     # of every module before its first copy (nothing of the two directions would overlap)
     with torch.cuda.stream(stream):
@@ -151,6 +154,8 @@ def _commit_host(model, prep: Prepared, streamed: list[Target], stats: dict) -> 
     chunks = make_chunks(streamed)
     if not chunks:
         return
+    if any(t.kind == "quant" for t in streamed):
+        raise RuntimeError("bf16 experts are quantized in the stream only on a GPU")
 
     def land(chunk: Chunk, buf: torch.Tensor) -> None:
         for t in chunk.targets:

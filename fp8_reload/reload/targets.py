@@ -37,16 +37,20 @@ class Target:
     slots: list[int] = field(default_factory=list)  # FusedMoE local slots written
     shard: str | None = None  # w1 | w2 | w3 for quant targets
 
+    @property
+    def device(self) -> torch.device:
+        """Where it lands: a quant target has no view, its FP8 slots are the layer's."""
+        return self.views[0].device if self.views else self.module.w13_weight.device
+
 
 def _default_loaded(param) -> bool:
     return not hasattr(param, "weight_loader")
 
 
-# bf16 experts quantized inside the stream (a device slot, then `quantize_experts_`): off
-# unless FP8_RELOAD_STREAM_QUANT=1. On the H200 it matched a fresh load on full reloads but
-# not on filtered ones (issue 13's note); until that is understood bf16 experts take their
-# loaders (staged in pinned memory, quantized by post-processing, which is verified).
-STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "0") == "1"
+# bf16 experts quantized inside the stream (a device slot, then `quantize_experts_`): on
+# unless FP8_RELOAD_STREAM_QUANT=0 (then they take their loaders: staged in pinned memory,
+# quantized by post-processing).
+STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "1") != "0"
 
 
 def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,

@@ -81,25 +81,28 @@ class DeviceSlots:
 
 
 class RowTables:
-    """The copy tables of the chunks a model's reloads land (`copy_rows.row_table`), by
-    device buffer and copies: a repeated reload lands the same copies, and finds its
-    tables here."""
+    """The copy tables of the chunks a model's full reloads land (`copy_rows.row_table`),
+    by device buffer and copies: a repeated full reload lands the same copies, and finds
+    its tables here. A filtered reload's copies differ from one rebalance to the next:
+    its tables are built and dropped (kept, they piled up to `KEEP`)."""
 
     KEEP = 4096  # tables: a whole model's chunks, both buffers, two alternating checkpoints
 
     def __init__(self):
         self.tables: dict = {}
 
-    def get(self, base: int, copies: tuple, device):
+    def get(self, base: int, copies: tuple, device, keep: bool = True):
         key = (base, copies)
         table = self.tables.get(key)
         if table is None:
             from ..kernels.triton.copy_rows import row_table  # needs triton: imported on use
 
-            if len(self.tables) >= self.KEEP:
-                self.tables.clear()
             cols = torch.tensor(copies, dtype=torch.int64).reshape(-1, 3)
-            table = self.tables[key] = row_table(cols[:, 0] + base, cols[:, 1], cols[:, 2], device)
+            table = row_table(cols[:, 0] + base, cols[:, 1], cols[:, 2], device)
+            if keep:
+                if len(self.tables) >= self.KEEP:
+                    self.tables.clear()
+                self.tables[key] = table
         return table
 
     def release(self) -> None:
@@ -169,7 +172,7 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         quantize_experts_(src.device, numel, cols, rows)
 
 
-def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables,
+def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables, keep: bool,
           writable, checks, quant_checks, gather: bool = False):
     """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
     one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
@@ -211,7 +214,7 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     if rows:
         from ..kernels.triton.copy_rows import launch_rows_  # needs triton: imported on use
 
-        launch_rows_(tables.get(dslot.data_ptr(), tuple(rows), dslot.device), dslot.device)
+        launch_rows_(tables.get(dslot.data_ptr(), tuple(rows), dslot.device, keep), dslot.device)
     for view, t in others:
         copy_async(view, chunk.source(dslot, t), place)
     if any(t.kind == "quant" for t in chunk.targets):
@@ -221,12 +224,12 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     return landed
 
 
-def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict) -> None:
+def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict,
+                keep_tables: bool = True) -> None:
     """Copy every streamed target into place on `device`, then check the values (one
     read-back). `writable(module, slots)` makes the writes stream wait until those slots
     of `module` (all of it, for no slots) may be overwritten (their backup is taken)."""
-    t0 = streamed[0]
-    device = t0.views[0].device if t0.views else t0.module.w13_weight.device
+    device = streamed[0].device
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
@@ -252,7 +255,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
     slots.reserve(max(windows + [c.extent for c in rest]), device)
     tables: RowTables = holder(model, "row_tables", RowTables)
-    landing = (slots, tables, writable, checks, quant_checks)
+    landing = (slots, tables, keep_tables, writable, checks, quant_checks)
     flags = []
     try:
         with torch.cuda.stream(stream):

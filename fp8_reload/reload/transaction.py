@@ -201,7 +201,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if cuda else None
-                    prepared = prepare(ckpt, targets, stats, into=into)
+                    prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None)
                     report.staged_bytes = prepared.staged_bytes
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)

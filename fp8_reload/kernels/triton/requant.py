@@ -118,12 +118,24 @@ def _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, col, ONE: tl.constexpr):
 
 
 @triton.jit
+def _pointer(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
+    """An address as a pointer; ALIGNED (every address of the launch 16-byte aligned, checked
+    on the host) lets the compiler load and store 16 bytes at a time: an address from a
+    table carries no alignment the compiler can see, and without the hint it moves each
+    element on its own."""
+    p = address.to(tl.pointer_type(dtype))
+    if ALIGNED:
+        p = tl.multiple_of(p, 16)
+    return p
+
+
+@triton.jit
 def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUMEL: tl.constexpr,
-                        ONE: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
+                        ONE: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Program (i, j, p): the amax of blocks p*ITERS.. of piece j (gate, up, down) of
     expert i, into its own slot of `partial` ([k, 3, P]): no zeroed buffer, no atomics."""
     j = tl.program_id(1)
-    src = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, j, ONE).to(tl.pointer_type(tl.bfloat16))
+    src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, j, ONE), tl.bfloat16, ALIGNED)
     amax = tl.zeros([BLOCK], tl.float32)
     for it in range(ITERS):
         offs = (tl.program_id(2) * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -136,7 +148,8 @@ def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUME
 @triton.jit
 def _expert_quant_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, inv_fp8_max, min_scale,
                          NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, ITERS: tl.constexpr,
-                         BLOCK: tl.constexpr, RBLOCK: tl.constexpr, EXACT: tl.constexpr):
+                         BLOCK: tl.constexpr, RBLOCK: tl.constexpr, EXACT: tl.constexpr,
+                         ALIGNED: tl.constexpr):
     """Program (i, j, p): blocks p*ITERS.. of piece j of expert i, x / scale -> e4m3 at its
     place in the FP8 weight; the scale of its group (gate + up, or down) is reduced from the
     group's block maxima. Program p = 0 of the gate and of the down piece writes the scale."""
@@ -150,9 +163,9 @@ def _expert_quant_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, inv
         r = r0 + tl.arange(0, RBLOCK)
         amax = tl.maximum(amax, tl.load(partial_ptr + r, mask=r < hi, other=0.0))
     scale = tl.maximum(tl.max(amax, axis=0) * inv_fp8_max, min_scale)
-    src = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, j, ONE).to(tl.pointer_type(tl.bfloat16))
+    src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, j, ONE), tl.bfloat16, ALIGNED)
     dst = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, tl.where(down, 4, 3), ONE)
-    dst = (dst + tl.where(j == 1, NUMEL, 0)).to(tl.pointer_type(tl.float8e4nv))
+    dst = _pointer(dst + tl.where(j == 1, NUMEL, 0), tl.float8e4nv, ALIGNED)
     for it in range(ITERS):
         offs = (tl.program_id(2) * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < NUMEL
@@ -245,10 +258,15 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     partial = torch.empty(k * 3 * p_all, dtype=torch.float32, device=device)
     table = partial if one else table  # (unused when one)
     grid = (k, 3, p_all)
-    _expert_amax_kernel[grid](table, *args, partial, NUMEL=numel, ONE=one, ITERS=iters, BLOCK=BLOCK)
+    # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
+    # checkpoint may not: then every element moves on its own
+    aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
+    _expert_amax_kernel[grid](table, *args, partial, NUMEL=numel, ONE=one, ITERS=iters, BLOCK=BLOCK,
+                              ALIGNED=aligned)
     _expert_quant_kernel[grid](table, *args, partial, INV_FP8_MAX, MIN_SCALE, NUMEL=numel, COLS13=cols13,
                                ONE=one, ITERS=iters, BLOCK=BLOCK,
-                               RBLOCK=min(1024, triton.next_power_of_2(2 * p_all)), EXACT=EXACT)
+                               RBLOCK=min(1024, triton.next_power_of_2(2 * p_all)),
+                               EXACT=EXACT, ALIGNED=aligned)
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]

@@ -16,6 +16,8 @@ import sys
 
 import torch
 
+from ...errors import BackendUnavailable
+
 if not torch.cuda.is_available() and "triton" not in sys.modules:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -35,7 +37,7 @@ INTERPRET = _interpreting()
 
 def check_device(t: torch.Tensor) -> None:
     if t.device.type == "cpu" and not INTERPRET:
-        raise RuntimeError("Triton kernels got CPU tensors but triton was imported without "
+        raise BackendUnavailable("Triton kernels got CPU tensors but triton was imported without "
                            "TRITON_INTERPRET=1 (set it before anything imports triton)")
 
 
