@@ -27,6 +27,7 @@ import fp8_reload.processing.moe as moe_processing
 import fp8_reload.reload.backup as backup_mod
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.stream as stream_mod
+import fp8_reload.reload.targets as targets_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint import Checkpoint
@@ -274,6 +275,7 @@ FILTERED = {1: [0, 3], 2: [5]}
 COMMIT_POINTS = [
     ("stream-copy", Chunk, "offset_of", 4),  # the streaming engine (default)
     ("expert-loader", FusedMoE, "_load_into_slot", 4),  # the staged engine's loaders
+    ("stream-quant", to_device, "_quantize_chunk", 2),  # bf16 experts quantized in the stream (GPU)
     ("linear-loader", proc.FixedFp8LinearMethod, "load_linear", 3),
 ]
 # ... and inside post-processing
@@ -302,7 +304,7 @@ def _fault_cases():
             for spec_name, spec in (("full", None), ("filtered", FILTERED)):
                 if name == "requantize-kernel" and kind == "bf16":
                     continue  # the FP8-checkpoint path only
-                if name == "quantize-kernel" and kind == "fp8":
+                if name in ("quantize-kernel", "stream-quant") and kind == "fp8":
                     continue  # the quantize-on-load path only
                 if name.startswith("linear") and spec is not None:
                     continue  # the filter holds experts only
@@ -320,10 +322,15 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
         # FP8 tensors take a loader only in the staged engine (bf16 ones, quantized on
         # load, take theirs on CPU in both)
         monkeypatch.setattr(transaction_mod, "ENGINE", "staged")
-    if attr == "offset_of" and device == "cuda":
+    if attr == "_quantize_chunk" and device != "cuda":
+        pytest.skip("bf16 experts are quantized in the stream on a GPU only (on CPU: their loaders)")
+    if attr == "_load_into_slot" and kind == "bf16" and device == "cuda":
+        monkeypatch.setattr(targets_mod, "STREAM_QUANT", False)  # (FP8_RELOAD_STREAM_QUANT=0)
+    if attr in ("offset_of", "_quantize_chunk") and device == "cuda":
         # on a GPU a chunk's tensors are written together (one scatter): fault the landing
         # of the second of many small chunks, the first one written
-        owner, attr, at = to_device, "_land", 2
+        if attr == "offset_of":
+            owner, attr, at = to_device, "_land", 2
         monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model = fr.load_model(ckpts[kind, 0], device=device)
     x = tokens(tiny_cfg).to(device)

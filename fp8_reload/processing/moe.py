@@ -121,7 +121,8 @@ class FixedFp8MoEMethod(_MoEMethodBase):
             process_fp8_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, self._scope(layer),
                                  layer.intermediate_size,
                                  ((layer.w13_input_scale.data, layer.w13_input_scale_per_expert),
-                                  (layer.w2_input_scale.data, layer.w2_input_scale_per_expert)))
+                                  (layer.w2_input_scale.data, layer.w2_input_scale_per_expert)),
+                                 cache=layer.__dict__.setdefault("requant_cache", {}))
         else:
             incomplete = sorted(s for s, pieces in layer.staged.items() if set(pieces) != {"w1", "w2", "w3"})
             if incomplete:

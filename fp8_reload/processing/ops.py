@@ -139,16 +139,17 @@ def merge_input_scales_(param: torch.Tensor, raw: torch.Tensor,
 
 
 def process_fp8_experts_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: torch.Tensor | list[int],
-                         shard_size: int, input_scales=None) -> None:
+                         shard_size: int, input_scales=None, cache: dict | None = None) -> None:
     """The whole processing of an FP8-checkpoint MoE layer's listed experts: the static
     input scales merged (`merge_input_scales_` of each ``(param, raw)`` in
     `input_scales`), then `requantize_w13_to_expert_max_`. One launch on Triton (one
-    reloaded expert costs that launch's host time: keep Python out of this path)."""
+    reloaded expert costs that launch's host time: keep Python out of this path). `cache`:
+    where the launch keeps what it checked of these tensors (the layer's, if given)."""
     ids = experts if isinstance(experts, list) else experts.tolist()
     if ids and w13.shape[1] != 2 * shard_size:
         raise ValueError(f"w13 has {w13.shape[1]} rows, not gate + up of {shard_size} each")
     if ids and on_triton(w13):
-        _requant().requantize_w13_(w13, w13_scale, ids, input_scales)
+        _requant().requantize_w13_(w13, w13_scale, ids, input_scales, cache)
         return
     idx = torch.tensor(ids, dtype=torch.long)
     for param, raw in input_scales or ():

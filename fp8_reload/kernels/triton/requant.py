@@ -179,16 +179,19 @@ def _expert_quant_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, inv
 
 
 # Per-layer facts the hot path would otherwise recompute on every call (validation, the
-# ticket counter), keyed by the tensors' addresses and shapes.
+# ticket counter), keyed by the tensors' addresses and shapes: in the caller's `cache` (a
+# layer's, gone with it) or here. Kept here, the entries of dead layers stay until 1024
+# pile up (a test's live tensors grew by one ticket per model loaded and dropped).
 _LAYERS: dict = {}
 
 
-def _layer(key, make):
-    entry = _LAYERS.get(key)
+def _layer(key, make, cache: dict | None = None):
+    table = _LAYERS if cache is None else cache
+    entry = table.get(key)
     if entry is None:
-        if len(_LAYERS) > 1024:
-            _LAYERS.clear()
-        entry = _LAYERS[key] = make()
+        if len(table) > 1024:
+            table.clear()
+        entry = table[key] = make()
     return entry
 
 
@@ -205,7 +208,7 @@ def _fp8_layer(w13, w13_scale, input_scales):
 
 
 def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[int],
-                    input_scales=None) -> None:
+                    input_scales=None, cache: dict | None = None) -> None:
     """`processing.ops.requantize_w13_to_expert_max_` (plus `merge_input_scales_` of
     ``input_scales = ((a13, a13_raw), (a2, a2_raw))``) in one launch.
 
@@ -222,7 +225,7 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     # what `_fp8_layer` checked: another tensor at a cached address is checked again
     key = (merge, w13.stride(), *((t.data_ptr(), t.dtype, t.shape) for t in (w13, w13_scale, a13, a13_raw,
                                                                             a2, a2_raw)))
-    ticket, half, e_all = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales))
+    ticket, half, e_all = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
     first = int(experts[0])
     listed = k > 1 and list(experts) != list(range(first, first + k))
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
@@ -232,9 +235,9 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
             w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, HALF=half, NUM_E=e_all,
             LISTED=listed, MERGE_INPUT=merge, ITERS=iters, BLOCK=BLOCK,
             BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all), EXACT=EXACT)
-    except BaseException:  # a launch cut short may leave its ticket counter non-zero, which
-        _LAYERS.pop(key, None)  # would break every later launch's "last program": a new one
-        raise
+    except BaseException:  # a launch cut short may leave its ticket counter non-zero, which would
+        (_LAYERS if cache is None else cache).pop(key, None)  # break every later launch's "last
+        raise  # program": a new one
 
 
 def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...]]) -> None:
