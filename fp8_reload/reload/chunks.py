@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import struct
+import time
 from collections.abc import Callable
 from concurrent.futures import wait
 from dataclasses import dataclass, field
@@ -240,8 +241,10 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
                 pending[k] = submit(pool, k)
             for k, chunk in enumerate(chunks):
                 with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
+                    t0 = time.perf_counter()
                     for f in pending[k]:
                         f.result()
+                    stats["read_wait"] = stats.get("read_wait", 0.0) + time.perf_counter() - t0
                     del pending[k]  # kept until read whole: a failure waits for its other pieces
                 slot = k % slots
                 ring.events[slot] = land(chunk, ring.buffers[slot])

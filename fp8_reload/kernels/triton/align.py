@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..routing import RoutedRows, align_up
+from .launch import host_kernel
 from .runtime import INTERPRET, check_device, tl, triton
 
 PAIRS_PER_PROGRAM = 256
@@ -28,7 +29,7 @@ CHUNK = 1024  # pairs (and rows) the align program handles at once
 B_CHUNK = 64  # row blocks at once: a [B_CHUNK, experts] comparison
 
 
-@triton.jit
+@host_kernel
 def _align_kernel(ids_ptr, cursor_ptr, block_expert_ptr, row_pair_ptr, num_pairs, num_experts,
                   num_rows, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
                   B_CHUNK: tl.constexpr):
@@ -57,7 +58,7 @@ def _align_kernel(ids_ptr, cursor_ptr, block_expert_ptr, row_pair_ptr, num_pairs
         tl.store(row_pair_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=r < num_rows)
 
 
-@triton.jit
+@host_kernel
 def _scatter_kernel(ids_ptr, cursor_ptr, pos_ptr, row_pair_ptr, num_pairs, PAIRS: tl.constexpr):
     p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     ok = p < num_pairs

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import torch
 
+from .launch import host_kernel
 from .runtime import check_device, device_ints, tl, triton
 
 
-@triton.jit
+@host_kernel
 def _scalars_kernel(addr_ptr, value_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n
