@@ -95,3 +95,23 @@ def refresh_merged_input_scales(layer: FusedMoE) -> None:
         if raw is not None:
             merge_input_scales_(getattr(layer, f"{name}_input_scale").data, raw, empty)
 
+
+
+def refresh_merged_input_scales_of(layers) -> None:
+    """`refresh_merged_input_scales` of every layer of `layers` in a few launches, whatever
+    their number: per (shape, dtype) group, one stack of the raw buffers, one max per
+    row and one `_foreach_copy_` of the maxes into the merged Parameters (in place)."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for layer in layers:
+        for name in ("w13", "w2"):
+            raw = getattr(layer, f"{name}_input_scale_per_expert", None)
+            if raw is not None:
+                param = getattr(layer, f"{name}_input_scale").data
+                key = (raw.shape, raw.dtype, raw.device, param.shape, param.dtype)
+                params, raws = groups.setdefault(key, ([], []))
+                params.append(param)
+                raws.append(raw)
+    for (_, _, _, shape, dtype), (params, raws) in groups.items():
+        top = torch.stack(raws).flatten(1).amax(1).to(dtype)  # each raw's max, as `.max()`
+        vals = top.view(-1, *([1] * len(shape))).expand(len(params), *shape).contiguous()
+        torch._foreach_copy_(params, list(vals.unbind(0)))
