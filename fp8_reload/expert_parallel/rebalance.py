@@ -19,7 +19,7 @@ Each rank holds its share of the experts (a `Placement`, loaded with
    packed buffer per direction in one `batch_isend_irecv`; disk experts are
    read meanwhile with a filtered `update_weights_from_disk` through the new
    slot maps. Rows of every layer are packed and unpacked by a `RowMover`
-   (`transfer`): on a GPU one Triton launch per batch, whatever the layers.
+   (`rows`): on a GPU a few multi-tensor copy launches per batch, whatever the layers.
 4. **Commit.** Rows are written in place into the existing Parameters of the
    changed slots (objects and loader attributes kept), the layer-max input
    scales are recomputed from the raw per-expert scales exactly as a fresh
