@@ -158,6 +158,9 @@ def test_vectorized_plan_equals_the_definition(data, experts, ranks, spare, n_la
         fetch = {lid: {e: (f.source, f.src_rank, f.src_slot) for e, f in per.items()}
                  for lid, per in p.fetch.items()}
         assert (p.changed, fetch, p.sends, p.recvs) == want[r]
+        mine = RebalancePlan.for_rank(old, new, mode, excluded, r)  # what a rebalance makes
+        assert (mine.changed, mine.fetch, mine.sends, mine.recvs) == (p.changed, p.fetch, p.sends,
+                                                                      p.recvs)
 
 
 def test_pack_write_round_trip_keeps_parameters(ckpts):

@@ -20,7 +20,7 @@ from fp8_reload.tools.rebalance import param_ids
 
 from .test_rebalance import Scenario, Step, _assert_equals_fresh, _hand_placement, _run, _skewed
 
-PATHS = ["torch", "triton"]
+PATHS = ["copy", "index", "triton"]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel compiled, or interpreted
 
 
@@ -61,7 +61,7 @@ def test_row_mover_packs_like_pack_slots_and_scatters_back(ckpts, path):
     layers = moe_layer_map(model)
     ids = param_ids(model)
     mover = RowMover(layers, DEV)
-    assert mover.kernel == (path == "triton")
+    assert mover.kernel == (path == "triton") and mover.path == path
     w1, w2 = mover.row_bytes(1), mover.row_bytes(2)
     off = run_bytes(2, w1)
     buf = torch.zeros(off + run_bytes(3, w2), dtype=torch.uint8, device=DEV)

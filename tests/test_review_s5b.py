@@ -28,7 +28,7 @@ from fp8_reload.tools.rebalance import param_ids
 LAYERS = (1, 2)
 E = 8
 
-PATHS = ["torch", "triton"]
+PATHS = ["copy", "index", "triton"]
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

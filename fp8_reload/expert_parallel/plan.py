@@ -69,10 +69,26 @@ class RebalancePlan:
         slots] tables: planning costs one pass over the changed slots, whatever the
         number of layers. Peers serving an expert are chosen greedily in (layer, rank,
         expert) order, each time the candidate that has served the fewest so far."""
+        excluded = frozenset(int(r) for r in exclude_sources)
+        ranks = cls._plans(old, new, mode, excluded, None)
+        return cls(old, new, mode, excluded, ranks)
+
+    @classmethod
+    def for_rank(cls, old: Placement, new: Placement, mode: str, exclude_sources: Iterable[int],
+                 rank: int) -> RankPlan:
+        """``build(...).ranks[rank]``, without making the other ranks' plans (what a
+        rebalance needs: the choices are whole-model tensor ops either way, so every rank
+        still makes the same ones, and fails alike)."""
+        excluded = frozenset(int(r) for r in exclude_sources)
+        return cls._plans(old, new, mode, excluded, rank)[rank]
+
+    @classmethod
+    def _plans(cls, old: Placement, new: Placement, mode: str, excluded: frozenset,
+               only: int | None) -> list[RankPlan]:
+        """Every rank's plan (`only`: that rank's alone, the others left empty)."""
         if mode not in MODES:
             raise ValueError(f"unknown rebalance mode {mode!r}; choose one of {', '.join(MODES)}")
         old._check_same_layout(new)
-        excluded = frozenset(int(r) for r in exclude_sources)
         n_layers, r, s, e = len(old.layers), old.ep_size, old.slots_per_rank, old.num_experts
         before = old.table.view(n_layers, r, s)
         after = new.table.view(n_layers, r, s)
@@ -85,8 +101,8 @@ class RebalancePlan:
         key = torch.unique((where[:, 0] * r + where[:, 1]) * e + wanted)
         item_layer, item_rank, item_expert = key // (r * e), key // e % r, key % e
         # first[l, k, x]: the first slot of rank k holding expert x in layer l (s: none)
-        first = torch.full((n_layers, r, e), s, dtype=torch.long).scatter_reduce_(
-            2, before, torch.arange(s).expand(n_layers, r, s), "amin")
+        first = old.derived("first_slot", lambda: torch.full((n_layers, r, e), s, dtype=torch.long)
+                            .scatter_reduce_(2, before, torch.arange(s).expand(n_layers, r, s), "amin"))
         held = first[item_layer, :, item_expert] < s  # [items, ranks]
         local = held[torch.arange(key.numel()), item_rank]
         peer = held.clone()
@@ -94,14 +110,23 @@ class RebalancePlan:
         if excluded:
             peer[:, sorted(k for k in excluded if 0 <= k < r)] = False
         source = cls._serve(local, peer, mode, item_layer, item_expert, old.layers, excluded)
-
-        for (li, k, slot), x in zip(where.tolist(), wanted.tolist()):
-            ranks[k].changed.setdefault(old.layers[li], {})[slot] = x
         src_slot = first[item_layer, torch.where(local, item_rank, source.clamp(min=0)), item_expert]
+        if only is not None:  # this rank's changed slots, and the items it obtains or serves
+            where, wanted = where[where[:, 1] == only], wanted[where[:, 1] == only]
+            keep = (item_rank == only) | (source == only)
+            item_layer, item_rank, item_expert = item_layer[keep], item_rank[keep], item_expert[keep]
+            local, source, src_slot = local[keep], source[keep], src_slot[keep]
+
+        layers = old.layers
+        for (li, k, slot), x in zip(where.tolist(), wanted.tolist()):
+            ranks[k].changed.setdefault(layers[li], {})[slot] = x
         for li, k, x, is_local, src, slot in zip(item_layer.tolist(), item_rank.tolist(),
                                                   item_expert.tolist(), local.tolist(),
                                                   source.tolist(), src_slot.tolist()):
-            layer = old.layers[li]
+            layer = layers[li]
+            if only is not None and k != only:  # an expert this rank serves to rank k
+                ranks[src].sends.setdefault(k, []).append((layer, slot))
+                continue
             if is_local:
                 f = Fetch(layer, x, "local", k, slot)
             elif src < 0:
@@ -111,7 +136,7 @@ class RebalancePlan:
                 ranks[src].sends.setdefault(k, []).append((layer, slot))
                 ranks[k].recvs.setdefault(src, []).append((layer, x))
             ranks[k].fetch.setdefault(layer, {})[x] = f
-        return cls(old, new, mode, excluded, ranks)
+        return ranks
 
     @staticmethod
     def _serve(local, peer, mode, item_layer, item_expert, layers, excluded) -> torch.Tensor:

@@ -19,7 +19,7 @@ Each rank holds its share of the experts (a `Placement`, loaded with
    packed buffer per direction in one `batch_isend_irecv`; disk experts are
    read meanwhile with a filtered `update_weights_from_disk` through the new
    slot maps. Rows of every layer are packed and unpacked by a `RowMover`
-   (`transfer`): on a GPU one Triton launch per batch, whatever the layers.
+   (`rows`): on a GPU a few multi-tensor copy launches per batch, whatever the layers.
 4. **Commit.** Rows are written in place into the existing Parameters of the
    changed slots (objects and loader attributes kept), the layer-max input
    scales are recomputed from the raw per-expert scales exactly as a fresh
@@ -53,7 +53,7 @@ from .agree import agree
 from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import RebalancePlan
-from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
+from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales_of
 from .transfer import Moves, RowMover, Run, plan_moves
 
 
@@ -144,10 +144,9 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         t = timer.mark("agree", t, sync=False)
         report.mode = mode
         try:  # every rank has the same inputs, so every rank fails here alike
-            plan = RebalancePlan.build(old, new, mode, excluded)
+            mine = RebalancePlan.for_rank(old, new, mode, excluded, rank)
         except ValueError as e:
             raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
-        mine = plan.ranks[rank]
         report.slots_changed = mine.slots_changed
         report.experts_local, report.experts_p2p, report.experts_disk = (
             mine.count("local"), mine.count("peer"), mine.count("disk"))
@@ -246,8 +245,8 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
     in flight, then every received and local row into its slots. Returns the first error."""
     try:
         if error is None:
-            for lid, layer in layers.items():
-                layer.expert_slots = new.local_slots(lid, rank)
+            for lid in mine.changed:  # the other layers' slots keep their experts
+                layers[lid].expert_slots = new.local_slots(lid, rank)
             wanted = mine.disk_experts()
             if wanted:
                 path = checkpoint if checkpoint is not None else model.checkpoint_path
@@ -267,10 +266,9 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
             moves.from_wire()
             write_slots(mover, moves.local_in)
             write_slots(mover, moves.received)
+            refresh_merged_input_scales_of([layers[lid] for lid in mine.changed])
             for lid in mine.changed:
-                layer = layers[lid]
-                refresh_merged_input_scales(layer)
-                layer.weights_version += 1
+                layers[lid].weights_version += 1
             if mine.changed:
                 clear_kernel_caches(model)
             synchronize(model)

@@ -61,6 +61,16 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
+def word_dtype(width: int, *byte_offsets: int) -> torch.dtype:
+    """The widest integer type (`_WORDS`, else bytes) that divides a row's `width` and
+    every start in `byte_offsets`: rows are then copied 2-8 bytes per element, not 1."""
+    for dtype in _WORDS:
+        w = dtype.itemsize
+        if width % w == 0 and all(o % w == 0 for o in byte_offsets):
+            return dtype
+    return torch.uint8
+
+
 def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
     """`views` ([k, n] uint8, row-contiguous) as the widest integer type all of them allow.
 
@@ -68,12 +78,8 @@ def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
     byte-wise `index_select` runs far below copy bandwidth. Falls back to bytes
     when a row width or offset is not a multiple of 2.
     """
-    for dtype in _WORDS:
-        w = dtype.itemsize
-        if all(v.shape[1] % w == 0 and v.storage_offset() % w == 0 and v.stride(0) % w == 0
-               for v in views):
-            return [v.view(dtype) for v in views]
-    return list(views)
+    dtype = word_dtype(0, *(x for v in views for x in (v.shape[1], v.storage_offset(), v.stride(0))))
+    return list(views) if dtype == torch.uint8 else [v.view(dtype) for v in views]
 
 
 def row_bytes(layer: FusedMoE) -> int:
@@ -89,3 +95,23 @@ def refresh_merged_input_scales(layer: FusedMoE) -> None:
         if raw is not None:
             merge_input_scales_(getattr(layer, f"{name}_input_scale").data, raw, empty)
 
+
+
+def refresh_merged_input_scales_of(layers) -> None:
+    """`refresh_merged_input_scales` of every layer of `layers` in a few launches, whatever
+    their number: per (shape, dtype) group, one stack of the raw buffers, one max per
+    row and one `_foreach_copy_` of the maxes into the merged Parameters (in place)."""
+    groups: dict[tuple, tuple[list, list]] = {}
+    for layer in layers:
+        for name in ("w13", "w2"):
+            raw = getattr(layer, f"{name}_input_scale_per_expert", None)
+            if raw is not None:
+                param = getattr(layer, f"{name}_input_scale").data
+                key = (raw.shape, raw.dtype, raw.device, param.shape, param.dtype)
+                params, raws = groups.setdefault(key, ([], []))
+                params.append(param)
+                raws.append(raw)
+    for (_, _, _, shape, dtype), (params, raws) in groups.items():
+        top = torch.stack(raws).flatten(1).amax(1).to(dtype)  # each raw's max, as `.max()`
+        vals = top.view(-1, *([1] * len(shape))).expand(len(params), *shape).contiguous()
+        torch._foreach_copy_(params, list(vals.unbind(0)))
