@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
-from ..layers import PER_TENSOR, set_weight_attrs
+from ..layers import PER_TENSOR, bump_weights_version, set_weight_attrs
 from ..quant import FP8_DTYPE, quantize_dynamic, quantize_static
 from .ops import process_fp8_experts_, quantize_staged_experts_
 
@@ -80,7 +80,7 @@ class UpstreamFp8MoEMethod(_MoEMethodBase):
                     start += shard
             layer.w13_weight_scale = Parameter(max_w13, requires_grad=False)
         layer.loaded_experts.clear()
-        layer.weights_version += 1
+        bump_weights_version(layer)
 
 
 class FixedFp8MoEMethod(_MoEMethodBase):
@@ -131,7 +131,7 @@ class FixedFp8MoEMethod(_MoEMethodBase):
                                      layer.w2_weight.data, layer.w2_weight_scale.data, layer.staged)
             layer.staged.clear()
         layer.loaded_experts.clear()
-        layer.weights_version += 1
+        bump_weights_version(layer)
 
 
 class IdentityOnlyFp8MoEMethod(FixedFp8MoEMethod):

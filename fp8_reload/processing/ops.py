@@ -68,9 +68,10 @@ def on_triton(t: torch.Tensor) -> bool:
     return t.is_cuda and _triton_runs_here()
 
 
+@functools.cache
 def _requant():
-    from ..kernels.triton import requant  # needs triton: imported on use
-
+    from ..kernels.triton import requant  # needs triton: imported on use (once: an import
+                                          # statement costs a reloaded expert ~2 us a call)
     return requant
 
 

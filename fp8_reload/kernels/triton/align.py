@@ -22,7 +22,7 @@ import torch
 
 from ..routing import RoutedRows, align_up
 from .launch import host_kernel
-from .runtime import INTERPRET, check_device, tl, triton
+from .runtime import INTERPRET, cdiv, check_device, next_pow2, tl
 
 PAIRS_PER_PROGRAM = 256
 CHUNK = 1024  # pairs (and rows) the align program handles at once
@@ -89,9 +89,9 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Route
     row_pair = torch.empty(num_rows, dtype=torch.int32, device=dev)
     pos = torch.empty(p, dtype=torch.int32, device=dev)
     _align_kernel[(1,)](ids, cursor, block_experts, row_pair, p, num_experts, num_rows,
-                        BLOCK_M=block_m, E_POW2=triton.next_power_of_2(num_experts + 1),
+                        BLOCK_M=block_m, E_POW2=next_pow2(num_experts + 1),
                         CHUNK=64 if INTERPRET else CHUNK, B_CHUNK=B_CHUNK)
-    _scatter_kernel[(triton.cdiv(p, PAIRS_PER_PROGRAM),)](ids, cursor, pos, row_pair, p,
+    _scatter_kernel[(cdiv(p, PAIRS_PER_PROGRAM),)](ids, cursor, pos, row_pair, p,
                                                           PAIRS=PAIRS_PER_PROGRAM)
     return RoutedRows(pos=pos, row_expert=None, row_pair=row_pair, counts=None, num_rows=num_rows,
                       rows_per_group=num_rows, align=block_m, top_k=top_k,

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...quant import FP8_DTYPE, amax_scale
@@ -22,7 +24,7 @@ from ..routing import RoutedRows
 from ..scales import BLOCK, cached_kernel_scales
 from .align import align_pairs
 from .jit import combine_kernel, group_quant_kernel, moe_down_kernel, moe_up_kernel, quant_tensor_kernel
-from .runtime import INTERPRET, INTERPRETER_ROWS, check_device, launch_opts, pow2, triton
+from .runtime import INTERPRET, INTERPRETER_ROWS, cdiv, check_device, launch_opts, next_pow2, pow2
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None):
@@ -35,7 +37,7 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None):
     n = x.numel()
     block = 1024
     s = scale.reshape(1).to(device=x.device, dtype=torch.float32)
-    quant_tensor_kernel[(triton.cdiv(n, block),)](x, q, s, n, BLOCK=block, EXACT=INTERPRET)
+    quant_tensor_kernel[(cdiv(n, block),)](x, q, s, n, BLOCK=block, EXACT=INTERPRET)
     return q, s
 
 
@@ -48,7 +50,7 @@ def fp8_operand(num_groups: int, rows: int, k: int, device) -> tuple[torch.Tenso
     if rows % 4:
         raise ValueError(f"rows={rows} must be a multiple of 4 for TMA-aligned scale factors")
     q = torch.empty(num_groups * rows, k, dtype=FP8_DTYPE, device=device)
-    storage = torch.empty(num_groups, triton.cdiv(k, BLOCK), rows, dtype=torch.float32, device=device)
+    storage = torch.empty(num_groups, cdiv(k, BLOCK), rows, dtype=torch.float32, device=device)
     return q, storage.transpose(1, 2)
 
 
@@ -67,12 +69,12 @@ def group_quant_rows(src: torch.Tensor, layout: RoutedRows, q: torch.Tensor, sf:
     src2 = src.reshape(-1, src.shape[-1])
     if src2.shape[1] != (2 * k if silu else k):
         raise ValueError(f"source width {src2.shape[1]} does not match K={k} (silu={silu})")
-    groups = triton.cdiv(k, BLOCK)
+    groups = cdiv(k, BLOCK)
     pairs = INTERPRETER_ROWS if INTERPRET else 1
-    group_quant_kernel[(triton.cdiv(layout.num_pairs, pairs),)](
+    group_quant_kernel[(cdiv(layout.num_pairs, pairs),)](
         src2, layout.pos, q, sf, layout.num_pairs, k, src2.stride(0), q.stride(0),
         layout.rows_per_group, sf.stride(0), sf.stride(2),
-        TOP_K=layout.top_k, SILU=silu, PAIRS=pairs, NUM_GROUPS=triton.next_power_of_2(groups),
+        TOP_K=layout.top_k, SILU=silu, PAIRS=pairs, NUM_GROUPS=next_pow2(groups),
         GROUP=BLOCK, EXACT=INTERPRET)
 
 
@@ -105,12 +107,13 @@ def combine_rows(y: torch.Tensor, layout: RoutedRows, topk_weights: torch.Tensor
     w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     block = pow2(n, 16, 1024)
     tokens = INTERPRETER_ROWS if INTERPRET else 1
-    combine_kernel[(triton.cdiv(t, tokens), triton.cdiv(n, block))](
+    combine_kernel[(cdiv(t, tokens), cdiv(n, block))](
         y2, layout.pos, w, out, t, n, y2.stride(0), out.stride(0), TOP_K=layout.top_k,
         TOKENS=tokens, BLOCK_N=block)
     return out
 
 
+@functools.lru_cache(maxsize=256)
 def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) -> dict:
     """Tile sizes by rows per expert: small tiles for decode-sized batches.
 
@@ -118,7 +121,8 @@ def default_config(num_pairs: int, num_experts: int, hidden: int, inter: int) ->
     defaults were within 2% of the best of 40 configurations; at 4096 tokens wider up tiles
     and 8 warps were 10% faster. `fuse_input_quant`: at decode sizes the up GEMM quantizes
     x as it loads it (one launch less); at large batches a separate pass is cheaper than
-    every column tile quantizing the same rows again.
+    every column tile quantizing the same rows again. Cached (read, never changed, by the
+    callers): one forward's host time is what a decode step waits for.
     """
     per_expert = num_pairs / max(num_experts, 1)
     block_m = 16 if per_expert <= 16 else 32 if per_expert <= 48 else 64
@@ -178,7 +182,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
         act = torch.empty(rows.num_rows, inter, dtype=torch.float32, device=x.device)
         a2_buf = torch.zeros(1, dtype=torch.float32, device=x.device)
     up = cfg["up"]
-    grid = (rows.num_rows // bm, triton.cdiv(inter, up["BLOCK_N"]))
+    grid = (rows.num_rows // bm, cdiv(inter, up["BLOCK_N"]))
     moe_up_kernel[grid](xq, w13, w13_scale, a13, rows.row_pair, block_expert, act, a2_buf,
                          h, inter, xq.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
                          TOP_K=rows.top_k, BLOCK_M=bm, BLOCK_N=up["BLOCK_N"],
@@ -186,7 +190,7 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
                          EXACT=INTERPRET, **launch_opts(up))
     y = torch.empty(rows.num_rows, h, dtype=torch.bfloat16, device=x.device)
     down = cfg["down"]
-    grid = (rows.num_rows // bm, triton.cdiv(h, down["BLOCK_N"]))
+    grid = (rows.num_rows // bm, cdiv(h, down["BLOCK_N"]))
     moe_down_kernel[grid](act, w2, w2_scale, a2_buf, rows.row_pair, block_expert, y,
                            inter, h, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
                            BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],

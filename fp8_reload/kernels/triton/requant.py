@@ -27,7 +27,7 @@ import torch
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
 from .launch import host_kernel
-from .runtime import INTERPRET, check_device, device_ints, tl, triton
+from .runtime import INTERPRET, cdiv, check_device, device_ints, next_pow2, tl, triton
 
 BLOCK = 4096  # elements per step of a program
 EXACT = INTERPRET
@@ -232,10 +232,10 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
     iters = _iters(k)
     try:
-        _requant_w13_kernel[(k, triton.cdiv(half, BLOCK * iters))](
+        _requant_w13_kernel[(k, cdiv(half, BLOCK * iters))](
             w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, HALF=half, NUM_E=e_all,
             LISTED=listed, MERGE_INPUT=merge, ITERS=iters, BLOCK=BLOCK,
-            BLOCK_K=min(1024, triton.next_power_of_2(k)), BLOCK_E=triton.next_power_of_2(e_all), EXACT=EXACT)
+            BLOCK_K=min(1024, next_pow2(k)), BLOCK_E=next_pow2(e_all), EXACT=EXACT)
     except BaseException:  # a launch cut short may leave its ticket counter non-zero, which would
         (_LAYERS if cache is None else cache).pop(key, None)  # break every later launch's "last
         raise  # program": a new one
@@ -258,7 +258,7 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     args = rows[0] if one else (0,) * 7
     table = None if one else device_ints([a for row in rows for a in row], device)
     iters = _iters(k)
-    p_all = triton.cdiv(numel, BLOCK * iters)
+    p_all = cdiv(numel, BLOCK * iters)
     partial = torch.empty(k * 3 * p_all, dtype=torch.float32, device=device)
     table = partial if one else table  # (unused when one)
     grid = (k, 3, p_all)
@@ -269,7 +269,7 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
                               ALIGNED=aligned)
     _expert_quant_kernel[grid](table, *args, partial, INV_FP8_MAX, MIN_SCALE, NUMEL=numel, COLS13=cols13,
                                ONE=one, ITERS=iters, BLOCK=BLOCK,
-                               RBLOCK=min(1024, triton.next_power_of_2(2 * p_all)),
+                               RBLOCK=min(1024, next_pow2(2 * p_all)),
                                EXACT=EXACT, ALIGNED=aligned)
 
 

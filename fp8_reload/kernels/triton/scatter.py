@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .launch import host_kernel
-from .runtime import check_device, device_ints, tl, triton
+from .runtime import cdiv, check_device, device_ints, tl
 
 
 @host_kernel
@@ -27,4 +27,4 @@ def write_scalars_(views: list[torch.Tensor], values: list[float]) -> None:
     vals = torch.tensor(values, dtype=torch.float32)
     if dev.type == "cuda":  # from pinned memory: no wait for the device
         vals = vals.pin_memory().to(dev, non_blocking=True)
-    _scalars_kernel[(triton.cdiv(len(views), 1024),)](addrs, vals, len(views), BLOCK=1024)
+    _scalars_kernel[(cdiv(len(views), 1024),)](addrs, vals, len(views), BLOCK=1024)
