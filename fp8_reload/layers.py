@@ -36,12 +36,6 @@ from .locks import WeightsLock
 PER_TENSOR = "tensor"
 
 
-def bump_weights_version(layer) -> None:
-    """A new weights version (forward caches keyed on it rebuild). Written to the instance
-    dict: `nn.Module.__setattr__` costs a reloaded expert's processing a few microseconds."""
-    layer.__dict__["weights_version"] = layer.weights_version + 1
-
-
 def set_weight_attrs(param: torch.Tensor, attrs: dict) -> None:
     for key, value in attrs.items():
         if hasattr(param, key):

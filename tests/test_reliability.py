@@ -36,6 +36,7 @@ from fp8_reload.reload.chunks import Chunk
 
 from . import bad_checkpoints as bad
 from .conftest import (
+    CUDA,
     DEVICES,
     WAIT,
     WRITE_POINT,
@@ -285,6 +286,37 @@ PROCESS_POINTS = [
     ("requantize-kernel", moe_processing, "process_fp8_experts_", 1),
     ("quantize-kernel", moe_processing, "quantize_staged_experts_", 2),
 ]
+
+
+@CUDA
+def test_a_commit_failing_before_its_first_write_never_starts_the_backup(ckpts, monkeypatch):
+    """On a GPU the backup starts when the commit first asks for an event (its first
+    host-to-device copy already queued): a commit that fails before any write rolls back
+    with no backup copy made, the model as it was, and the next reload works."""
+    model = fr.load_model(ckpts["fp8", 0], device="cuda")
+    before = fr.snapshot(model)
+    started, real_start = [], backup_mod.Backup.start
+
+    def start(self):
+        started.append(self)
+        real_start(self)
+
+    def land(*a, **k):
+        raise RuntimeError("injected before the first write")
+
+    monkeypatch.setattr(backup_mod.Backup, "start", start)
+    monkeypatch.setattr(to_device, "_land", land)
+    with pytest.raises(fr.CommitError, match="injected before the first write"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert started == [] and unchanged(model, before) == []
+    monkeypatch.setattr(to_device, "_land", _REAL_LAND)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert len(started) == 1
+    fresh = fr.load_model(ckpts["fp8", 1], device="cuda")
+    assert fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
+
+
+_REAL_LAND = to_device._land
 
 
 def _expected_after(ckpts, kind, spec, tmp_path, device="cpu"):

@@ -257,8 +257,8 @@ def test_errors_name_the_cause_and_leave_the_model_alone(ckpts, tmp_path, monkey
 
     orig = moe_processing.process_fp8_experts_
 
-    def fail_midway(w13, scale, experts, shard, input_scales=None):
-        orig(w13, scale, experts[:1], shard, input_scales)  # writes one expert, then dies
+    def fail_midway(w13, scale, experts, shard, input_scales=None, cache=None):
+        orig(w13, scale, experts[:1], shard, input_scales, cache)  # writes one expert, then dies
         raise RuntimeError("injected device fault")
 
     monkeypatch.setattr(moe_processing, "process_fp8_experts_", fail_midway)

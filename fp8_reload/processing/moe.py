@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.nn import Parameter
 
-from ..layers import PER_TENSOR, bump_weights_version, set_weight_attrs
+from ..layers import PER_TENSOR, set_weight_attrs
 from ..quant import FP8_DTYPE, quantize_dynamic, quantize_static
 from .ops import process_fp8_experts_, quantize_staged_experts_
 
@@ -14,6 +14,12 @@ def _moe_param(shape, dtype, device, fill=None) -> Parameter:
     t = torch.empty(*shape, dtype=dtype, device=device) if fill is None else \
         torch.full(shape, fill, dtype=dtype, device=device)
     return Parameter(t, requires_grad=False)
+
+
+def _new_weights_version(layer) -> None:
+    """Forward caches keyed on the version rebuild. Written to the instance dict:
+    `nn.Module.__setattr__` costs a reloaded expert's processing a few microseconds."""
+    layer.__dict__["weights_version"] = layer.weights_version + 1
 
 
 class _MoEMethodBase:
@@ -80,7 +86,7 @@ class UpstreamFp8MoEMethod(_MoEMethodBase):
                     start += shard
             layer.w13_weight_scale = Parameter(max_w13, requires_grad=False)
         layer.loaded_experts.clear()
-        bump_weights_version(layer)
+        _new_weights_version(layer)
 
 
 class FixedFp8MoEMethod(_MoEMethodBase):
@@ -131,7 +137,7 @@ class FixedFp8MoEMethod(_MoEMethodBase):
                                      layer.w2_weight.data, layer.w2_weight_scale.data, layer.staged)
             layer.staged.clear()
         layer.loaded_experts.clear()
-        bump_weights_version(layer)
+        _new_weights_version(layer)
 
 
 class IdentityOnlyFp8MoEMethod(FixedFp8MoEMethod):

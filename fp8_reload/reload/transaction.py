@@ -231,8 +231,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 if streaming:  # its copies run beside the commit's (see capture_backup)
                     with timer.phase("backup"):
                         progress.doing = "backing up"
-                        saved.start()
-                    report.backup_bytes = saved.nbytes
+                        saved.start_on_demand()
                 with timer.phase("load"):
                     touched = None
                     with torch.no_grad():
@@ -240,6 +239,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                             progress.doing = "streaming weights into place"
                             touched = commit(model, prepared, stats, wait_for=saved.event_for)
                             saved.complete()  # what processing writes is backed up before it
+                            report.backup_bytes = saved.nbytes
                         else:
                             touched = model.load_weights(progress.loading(staged))
                     if not streaming:
@@ -261,6 +261,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                         raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
                                                      "read; the reload is rolled back")
             except BaseException as fault:
+                report.backup_bytes = saved.nbytes
                 with timer.phase("restore"):
                     roll_back(model, saved, fault, ckpt, progress.doing)
                 if not isinstance(fault, Exception):

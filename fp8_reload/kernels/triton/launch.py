@@ -19,6 +19,7 @@ interpreter the kernels are Triton's own.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 
@@ -86,8 +87,12 @@ class Launcher:
         return compiled
 
 
+# FP8_RELOAD_FAST_LAUNCH=0: every launch through Triton (an A/B of this module's gain)
+FAST = os.environ.get("FP8_RELOAD_FAST_LAUNCH", "1") != "0"
+
+
 def host_kernel(fn):
     """``@triton.jit`` for a kernel launched from the host (see the module docstring); the
     interpreter's kernels as they are."""
     kernel = triton.jit(fn)
-    return kernel if INTERPRET else Launcher(kernel)
+    return Launcher(kernel) if FAST and not INTERPRET else kernel
