@@ -26,6 +26,7 @@ import torch
 from .runtime import INTERPRET, triton
 
 _I32 = (-(2**31), 2**31 - 1)
+_SCALARS = (bool, int, float, str, type(None))
 
 
 def _launch_hook():
@@ -47,7 +48,7 @@ class Launcher:
     def __getitem__(self, grid):
         return lambda *args, **kw: self._launch(grid, args, kw)
 
-    def _key(self, device: int, args, kw) -> tuple:
+    def _key(self, device: int, args, kw) -> tuple | None:
         key = [device]
         for i, a in enumerate(args):
             if isinstance(a, torch.Tensor):
@@ -58,6 +59,8 @@ class Launcher:
                 key.append((a == 1, a % 16 == 0, _I32[0] <= a <= _I32[1]))
             else:
                 key.append(type(a))
+        if not all(isinstance(v, _SCALARS) for v in kw.values()):
+            return None  # a tensor passed by name: no key (its address would be one), Triton's path
         key.append(tuple(sorted(kw.items())))
         return tuple(key)
 
@@ -66,6 +69,8 @@ class Launcher:
             return self.fn[grid](*args, **kw)
         device = torch.cuda.current_device()
         key = self._key(device, args, kw)
+        if key is None:
+            return self.fn[grid](*args, **kw)
         compiled = self.compiled.get(key, False)
         if compiled is False:  # first call of this specialization: Triton compiles and launches
             compiled = self.fn[grid](*args, **kw)
