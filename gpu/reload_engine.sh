@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # GPU checks for the streaming reload engine (issue 13) and the kernels (issue 14), in two
 # parts that each fit one device call (10 minutes):
-#   PART=checks  the CUDA tests (streaming, reload, reliability with the soak, kernels and
-#                their launcher, state), the device-memory peak of full reloads, the
-#                processing probe with and without the fast launcher (FP8_RELOAD_FAST_LAUNCH),
-#                the forward probe (eager, host time, graph)                       ~5 min
+#   PART=checks  the CUDA tests (streaming, reload, reliability with the soak, kernels,
+#                state), the device-memory peak of full reloads, the processing probe, the
+#                forward probe (eager, host time, graph)                           ~4 min
 #   PART=io      the I/O table beside the limits and the field's loaders (v2-lite:4 fp8 then
 #                bf16, one process each; WHOLE=1 adds the whole v2-lite), then the first
 #                reload under ring shapes (.scratch-free: gpu/first_ring.py)       ~5 min
@@ -18,13 +17,10 @@ python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', tr
 nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"
 if [ "$PART" != io ]; then
   timeout 240 python3 -m pytest -q -p no:cacheprovider tests \
-    -k "cuda or CUDA or gpu or device or stream or requant or review or concurrency or state or launch or soak" \
+    -k "cuda or CUDA or gpu or device or stream or requant or review or concurrency or state or soak" \
     > "$OUT/pytest_cuda.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/pytest_cuda.log"; grep -h "^soak" "$OUT/pytest_cuda.log"
   timeout 60 python3 gpu/peak_check.py 2>&1 | tee "$OUT/peak_check.txt"
-  for fast in 1 0; do
-    echo "== processing probe, FP8_RELOAD_FAST_LAUNCH=$fast"
-    FP8_RELOAD_FAST_LAUNCH=$fast timeout 90 python3 gpu/process_probe.py --no-tests 2>&1 | grep -E "process|launch"
-  done | tee "$OUT/process_probe.txt"
+  timeout 90 python3 gpu/process_probe.py --no-tests 2>&1 | grep -E "process|launch" | tee "$OUT/process_probe.txt"
   timeout 90 python3 gpu/kernels_probe.py --skip-processing --out "$OUT/kernels_probe.json" 2>&1 \
     | tee "$OUT/kernels_probe.log" | grep -E "forward|launch"
 fi

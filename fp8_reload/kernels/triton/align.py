@@ -21,15 +21,14 @@ from __future__ import annotations
 import torch
 
 from ..routing import RoutedRows, align_up
-from .launch import host_kernel
-from .runtime import INTERPRET, cdiv, check_device, next_pow2, tl
+from .runtime import INTERPRET, cdiv, check_device, next_pow2, tl, triton
 
 PAIRS_PER_PROGRAM = 256
 CHUNK = 1024  # pairs (and rows) the align program handles at once
 B_CHUNK = 64  # row blocks at once: a [B_CHUNK, experts] comparison
 
 
-@host_kernel
+@triton.jit
 def _align_kernel(ids_ptr, cursor_ptr, block_expert_ptr, row_pair_ptr, num_pairs, num_experts,
                   num_rows, BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
                   B_CHUNK: tl.constexpr):
@@ -58,7 +57,7 @@ def _align_kernel(ids_ptr, cursor_ptr, block_expert_ptr, row_pair_ptr, num_pairs
         tl.store(row_pair_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=r < num_rows)
 
 
-@host_kernel
+@triton.jit
 def _scatter_kernel(ids_ptr, cursor_ptr, pos_ptr, row_pair_ptr, num_pairs, PAIRS: tl.constexpr):
     p = tl.program_id(0) * PAIRS + tl.arange(0, PAIRS)
     ok = p < num_pairs

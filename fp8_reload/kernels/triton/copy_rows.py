@@ -20,8 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .launch import host_kernel
-from .runtime import INTERPRET, check_device, device_ints, tl
+from .runtime import INTERPRET, check_device, device_ints, tl, triton
 
 WORDS = 4096  # 32-bit words (16 KiB) per block
 BLOCK_BYTES = 4 * WORDS
@@ -29,7 +28,7 @@ MAX_PROGRAMS = 1 << 15  # the owner table's length, whatever the batch's size
 # table columns: source, destination, bytes, alignment (2, 1, 0), first program; then each program's row
 
 
-@host_kernel
+@triton.jit
 def _copy_rows_kernel(table_ptr, n, span, WORDS: tl.constexpr, BYTES: tl.constexpr):
     pid = tl.program_id(0)
     r = tl.load(table_ptr + 5 * n + pid)

@@ -5,11 +5,10 @@ Scales are read as ``scale_ptr + expert``: the caller hands a contiguous ``[E]``
 """
 
 from .fp8 import to_fp8
-from .launch import host_kernel
-from .runtime import tl
+from .runtime import tl, triton
 
 
-@host_kernel
+@triton.jit
 def quant_tensor_kernel(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, EXACT: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
@@ -17,7 +16,7 @@ def quant_tensor_kernel(x_ptr, q_ptr, scale_ptr, n, BLOCK: tl.constexpr, EXACT: 
     tl.store(q_ptr + offs, to_fp8(x / tl.load(scale_ptr), EXACT), mask=mask)
 
 
-@host_kernel
+@triton.jit
 def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_expert_ptr,
                    out_ptr, a2_ptr, K: tl.constexpr, N, stride_xm, stride_we, stride_wn, stride_om,
                    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -77,7 +76,7 @@ def moe_up_kernel(x_ptr, w_ptr, w_scale_ptr, a_scale_ptr, row_pair_ptr, block_ex
         tl.atomic_max(a2_ptr, amax)
 
 
-@host_kernel
+@triton.jit
 def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, a2_ptr, row_pair_ptr, block_expert_ptr,
                      out_ptr, K: tl.constexpr, N, stride_am, stride_we, stride_wn, stride_om,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -116,7 +115,7 @@ def moe_down_kernel(act_ptr, w_ptr, w_scale_ptr, a2_ptr, row_pair_ptr, block_exp
     tl.store(o_ptrs, y.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
 
-@host_kernel
+@triton.jit
 def group_quant_kernel(src_ptr, pos_ptr, q_ptr, s_ptr, num_pairs, K, stride_src, stride_q,
                         rows_per_group, s_stride_group, s_stride_k,
                         TOP_K: tl.constexpr, SILU: tl.constexpr, PAIRS: tl.constexpr,
@@ -149,7 +148,7 @@ def group_quant_kernel(src_ptr, pos_ptr, q_ptr, s_ptr, num_pairs, K, stride_src,
     tl.store(s_ptrs, scale, mask=(g1 * GROUP < K)[None, :] & p_ok[:, None])
 
 
-@host_kernel
+@triton.jit
 def combine_kernel(y_ptr, pos_ptr, w_ptr, out_ptr, num_tokens, N, stride_y, stride_o,
                     TOP_K: tl.constexpr, TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
     t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)

@@ -26,7 +26,6 @@ import torch
 
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
-from .launch import host_kernel
 from .runtime import INTERPRET, cdiv, check_device, device_ints, next_pow2, tl, triton
 
 BLOCK = 4096  # elements per step of a program
@@ -39,7 +38,7 @@ def _iters(k: int) -> int:
     return 2 if k <= 4 else 8
 
 
-@host_kernel
+@triton.jit
 def _requant_w13_kernel(w_ptr, scale_ptr, experts_ptr, first, k, ticket_ptr, a13_ptr, a13_raw_ptr,
                         a2_ptr, a2_raw_ptr, HALF: tl.constexpr, NUM_E: tl.constexpr, LISTED: tl.constexpr,
                         MERGE_INPUT: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
@@ -130,7 +129,7 @@ def _pointer(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
     return p
 
 
-@host_kernel
+@triton.jit
 def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUMEL: tl.constexpr,
                         ONE: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Program (i, j, p): the amax of blocks p*ITERS.. of piece j (gate, up, down) of
@@ -146,7 +145,7 @@ def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUME
     tl.store(partial_ptr + slot, tl.max(amax, axis=0))
 
 
-@host_kernel
+@triton.jit
 def _expert_quant_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, inv_fp8_max, min_scale,
                          NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, RBLOCK: tl.constexpr, EXACT: tl.constexpr,

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .launch import host_kernel
-from .runtime import cdiv, check_device, device_ints, tl
+from .runtime import cdiv, check_device, device_ints, tl, triton
 
 
-@host_kernel
+@triton.jit
 def _scalars_kernel(addr_ptr, value_ptr, n, BLOCK: tl.constexpr):
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < n

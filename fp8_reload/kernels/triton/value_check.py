@@ -27,8 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .launch import host_kernel
-from .runtime import check_device, device_ints, tl
+from .runtime import check_device, device_ints, tl, triton
 
 # dtype -> (bytes per element, exponent bits of one element)
 EXPONENT = {torch.float8_e4m3fn: (1, 0x7F), torch.float8_e5m2: (1, 0x7C),
@@ -58,7 +57,7 @@ def supported(t: torch.Tensor, positive: bool = False) -> bool:
             and t.data_ptr() % 4 == 0 and (not positive or t.dtype == torch.float32))
 
 
-@host_kernel
+@triton.jit
 def _value_check_kernel(table_ptr, flag_ptr, n, span, BLOCK: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(table_ptr + 5 * n + pid)
