@@ -11,7 +11,7 @@ bytes), InstantTensor / safetensors / fastsafetensors into preallocated device
 tensors, and fp8-reload's `update_weights_from_disk`: staged engine, streaming first
 reload (fresh stamps: nothing registered or checked), repeated reloads (registered
 shards), a filtered reload of one expert per MoE layer; then cold (evicted) runs.
-Writes table.md and rows.json.
+``--quick``: the limits and fp8-reload's streaming rows only. Writes table.md and rows.json.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def one_per_layer(cfg):
     return fr.generate_weight_name_filter({layer: [0] for layer in cfg.moe_layers})
 
 
-def run_checkpoint(path, label, rows, whole=False):
+def run_checkpoint(path, label, rows, whole=False, quick=False):
     files = io_paths.shard_files(path)
     ckpt = fr.Checkpoint(path)
     names = ckpt.names
@@ -101,6 +101,8 @@ def run_checkpoint(path, label, rows, whole=False):
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
 
+    if quick:  # fp8-reload's rows and the limits only
+        return _same_as_fresh(model, path, label, limit)
     if not whole:  # the engine before, after the streaming rows (what it leaves must not touch them)
         transaction.ENGINE = "staged"
         fr.update_weights_from_disk(model, path)
@@ -150,9 +152,13 @@ def run_checkpoint(path, label, rows, whole=False):
     io_paths.evict(files)
     s, _ = timed(lambda: io_paths.page_cache_read(files, limit.src))
     row("COLD disk -> pinned, 16 threads preadv (limit)", s, file_bytes)
+    dst.clear()
+    _same_as_fresh(model, path, label, limit)
+
+
+def _same_as_fresh(model, path, label, limit) -> None:
     fr.release_staging(model)
     limit.src = limit.dst = None
-    dst.clear()
     fresh = fr.load_model(path, device="cuda")
     fr.release_staging(fresh)
     same = all(torch.equal(fr.state.raw_bytes(a), fr.state.raw_bytes(b)) for a, b in
@@ -166,6 +172,8 @@ def main():
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--kinds", default="fp8,bf16")
     ap.add_argument("--whole", action="store_true", help="also the whole v2-lite (27 layers, fp8)")
+    ap.add_argument("--quick", action="store_true",
+                    help="fp8-reload's rows and the limits only (no staged engine, libraries or cold runs)")
     ap.add_argument("--dir", default="/tmp/ckpt_io")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/reload_io")
     args = ap.parse_args()
@@ -184,7 +192,7 @@ def main():
             fr.write_checkpoint(path, cfg, kind=kind, fill="fast", progress=False)
         print(f"checkpoint {path.name}: {time.perf_counter() - t0:.1f} s to write", flush=True)
         try:
-            run_checkpoint(path, f"v2-lite:{layers} {kind}", rows, whole=layers > 4)
+            run_checkpoint(path, f"v2-lite:{layers} {kind}", rows, whole=layers > 4, quick=args.quick)
         except Exception:  # the rows so far are kept; the next checkpoint still runs
             traceback.print_exc()
         torch.cuda.empty_cache()

@@ -20,7 +20,7 @@ from fp8_reload.tools.rebalance import param_ids
 
 from .test_rebalance import Scenario, Step, _assert_equals_fresh, _hand_placement, _run, _skewed
 
-PATHS = ["copy", "index", "triton"]
+PATHS = ["index", "triton"]
 DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the kernel compiled, or interpreted
 
 

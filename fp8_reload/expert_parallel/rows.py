@@ -3,18 +3,14 @@
 A `Run` is `k` slots of one layer against ``k`` packed rows of a buffer at some offset,
 laid out as `pack_slots` does (tensor-major ``[k, bytes]`` blocks), its start aligned
 to `RUN_ALIGN` so weight blocks stay 16-byte aligned whatever the runs before it.
-`RowMover` copies a batch of runs of any layers either way, by one of three paths
+`RowMover` copies a batch of runs of any layers either way, by one of two paths
 (``FP8_RELOAD_REBALANCE_COPY``):
 
-* ``copy`` (the default on a GPU): every row of the batch is one (slot view, buffer row
-  view) pair and the batch one `torch._foreach_copy_` per word type: on a GPU a few
-  multi-tensor launches of vectorized copies, whatever the layers. ``index_select`` on
-  5 MiB rows moves one word per thread and iteration: on 2xH200 the whole model's stage
-  (1.7 GiB per rank) took 14.6 ms, about 250 GB/s. The slot views are made once per
-  Parameter storage and kept across rebalances (`_slot_rows`): a rebalance builds only
-  the buffers' row views.
-* ``index`` (the default on CPU): one `index_select` / `index_copy_` per slot tensor and
-  run, every run's index in one tensor (one copy): the previous default on GPUs.
+* ``index`` (the default): one `index_select` / `index_copy_` per slot tensor and run,
+  every run's index in one tensor (one copy). A third path, one `torch._foreach_copy_` of
+  (slot view, buffer row view) pairs per word type, was measured against it on 2xH200
+  (results/h200x2/speed, seventh session) and removed: the whole model's stage took
+  16.96 against 15.49 ms, one layer's 0.75 against 0.89 ms.
 * ``triton``: one `copy_rows_` launch for the whole batch, its address table computed by
   a few whole-batch tensor ops on the host and sent in one copy (on CPU: Triton's
   interpreter, for the tests). Opt-in: on 2xH200 it was the slowest (one v2-lite layer,
@@ -24,17 +20,16 @@ to `RUN_ALIGN` so weight blocks stay 16-byte aligned whatever the runs before it
 from __future__ import annotations
 
 import os
-import weakref
 from dataclasses import dataclass
 
 import torch
 
 from ..kernels.registry import triton_unavailable
 from ..layers import FusedMoE
-from .slots import as_words, slot_tensors, word_dtype
+from .slots import as_words, slot_tensors
 
 RUN_ALIGN = 256  # bytes: a run's start in its buffer
-COPY_PATHS = ("copy", "index", "triton")
+COPY_PATHS = ("index", "triton")
 
 
 def run_bytes(k: int, width: int) -> int:
@@ -56,35 +51,16 @@ class Run:
 
 
 def copy_path(device: torch.device) -> str:
-    """The copy path `FP8_RELOAD_REBALANCE_COPY` names, else the device's default: ``copy``
-    on a GPU; ``index`` on CPU, where a row's gather is a memcpy either way and `index`
-    makes no view per row (half the host time on 2 gloo ranks, 26 layers)."""
-    default = "copy" if device.type == "cuda" else "index"
+    """The copy path `FP8_RELOAD_REBALANCE_COPY` names (``triton`` only where Triton runs
+    on `device`), else ``index``."""
     choice = os.environ.get("FP8_RELOAD_REBALANCE_COPY", "").strip().lower()
     if choice == "triton":
-        return "triton" if device.type != "cuda" or triton_unavailable() is None else default
-    return choice if choice in COPY_PATHS else default
+        return "triton" if device.type != "cuda" or triton_unavailable() is None else "index"
+    return choice if choice in COPY_PATHS else "index"
 
 
 def use_kernel(device: torch.device) -> bool:
     return copy_path(device) == "triton"
-
-
-# layer -> {(slot tensor index, word dtype): (data_ptr, shape, per-slot row views)}
-_SLOT_ROWS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _slot_rows(layer: FusedMoE, i: int, t: torch.Tensor, dtype: torch.dtype) -> tuple:
-    """Every slot's row of `t` (the layer's `i`-th slot tensor) as a view of `dtype` words.
-    Rebalanced models are in-place ('fixed'): their storages stay, so the views are made
-    once and kept; a tensor that moved (another address or shape) gets new ones."""
-    per = _SLOT_ROWS.setdefault(layer, {})
-    hit = per.get((i, dtype))
-    if hit is not None and hit[0] == t.data_ptr() and hit[1] == t.shape:
-        return hit[2]
-    rows = t.view(t.shape[0], -1).view(torch.uint8).view(dtype).unbind(0)
-    per[(i, dtype)] = (t.data_ptr(), t.shape, rows)
-    return rows
 
 
 class RowMover:
@@ -136,32 +112,8 @@ class RowMover:
         with torch.no_grad():
             if self.path == "triton":
                 self._by_kernel(runs, to_buffer)
-            elif self.path == "index":
-                self._by_index(runs, to_buffer)
             else:
-                self._by_copy(runs, to_buffer)
-
-    def _by_copy(self, runs: list[Run], to_buffer: bool) -> None:
-        pairs: dict[torch.dtype, tuple[list, list]] = {}  # word type -> (destinations, sources)
-        for r in runs:
-            layer, n, off = self.layers[r.lid], len(r.slots), r.offset
-            base = r.buf.storage_offset()
-            for i, (t, w) in enumerate(zip(self.tensors(r.lid), self.widths(r.lid))):
-                if not w:
-                    continue
-                dtype = word_dtype(w, base + off, t.storage_offset() * t.element_size())
-                slot = _slot_rows(layer, i, t, dtype)
-                block = r.buf[off:off + r.k * w].view(r.k, w).view(dtype).unbind(0)
-                off += r.k * w
-                dst, src = pairs.setdefault(dtype, ([], []))
-                if to_buffer:
-                    dst.extend(block[:n])
-                    src.extend([slot[s] for s in r.slots])
-                else:
-                    dst.extend([slot[s] for s in r.slots])
-                    src.extend(block[:n] if r.rows is None else [block[j] for j in r.rows])
-        for dst, src in pairs.values():
-            torch._foreach_copy_(dst, src)
+                self._by_index(runs, to_buffer)
 
     def _row_of(self, lid: int) -> int:
         if lid not in self._table:

@@ -61,16 +61,6 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 _WORDS = (torch.int64, torch.int32, torch.int16)
 
 
-def word_dtype(width: int, *byte_offsets: int) -> torch.dtype:
-    """The widest integer type (`_WORDS`, else bytes) that divides a row's `width` and
-    every start in `byte_offsets`: rows are then copied 2-8 bytes per element, not 1."""
-    for dtype in _WORDS:
-        w = dtype.itemsize
-        if width % w == 0 and all(o % w == 0 for o in byte_offsets):
-            return dtype
-    return torch.uint8
-
-
 def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
     """`views` ([k, n] uint8, row-contiguous) as the widest integer type all of them allow.
 
@@ -78,8 +68,12 @@ def as_words(*views: torch.Tensor) -> list[torch.Tensor]:
     byte-wise `index_select` runs far below copy bandwidth. Falls back to bytes
     when a row width or offset is not a multiple of 2.
     """
-    dtype = word_dtype(0, *(x for v in views for x in (v.shape[1], v.storage_offset(), v.stride(0))))
-    return list(views) if dtype == torch.uint8 else [v.view(dtype) for v in views]
+    for dtype in _WORDS:
+        w = dtype.itemsize
+        if all(v.shape[1] % w == 0 and v.storage_offset() % w == 0 and v.stride(0) % w == 0
+               for v in views):
+            return [v.view(dtype) for v in views]
+    return list(views)
 
 
 def row_bytes(layer: FusedMoE) -> int:
@@ -94,7 +88,6 @@ def refresh_merged_input_scales(layer: FusedMoE) -> None:
         raw = getattr(layer, f"{name}_input_scale_per_expert", None)
         if raw is not None:
             merge_input_scales_(getattr(layer, f"{name}_input_scale").data, raw, empty)
-
 
 
 def refresh_merged_input_scales_of(layers) -> None:

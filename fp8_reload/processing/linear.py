@@ -168,9 +168,11 @@ class FixedFp8LinearMethod:
             return
         w = self.checkpoint_view(layer)
         if self.fp8_checkpoint:
+            # one scale (a single width, or one input scale) is its own max: nothing to do,
+            # and on a GPU nothing queued (a full reload processes every module at its end)
             s = layer.weight_scale.data
-            m = s.max()
-            if len(layer.logical_widths) > 1:  # one width is at the max already
+            if s.numel() > 1:
+                m = s.max()
                 start = 0
                 for i, width in enumerate(layer.logical_widths):
                     # on a device every width goes (no host sync to ask which; a width at
@@ -179,8 +181,10 @@ class FixedFp8LinearMethod:
                         rows = w.narrow(0, start, width)
                         by_row_blocks_(rows, rows, lambda r, old=s[i]: requantize(r, old, m))
                     start += width
-            s.fill_(m)
-            layer.input_scale.data.fill_(layer.input_scale.data.max())
+                s.fill_(m)
+            a = layer.input_scale.data
+            if a.numel() > 1:
+                a.fill_(a.max())
         else:
             keys = [None] if len(layer.logical_widths) == 1 else list(range(len(layer.logical_widths)))
             missing = [k for k in keys if k not in layer.staged]

@@ -195,7 +195,10 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
             copy_async(dslot[at:at + n], buf[off:off + n], h2d)
     else:
         copy_async(dslot, buf[:chunk.extent], h2d)
-    landed = torch.cuda.Event()
+    # reader threads wait on it before refilling `buf` (`chunks.stream_through_ring`): a
+    # blocking event sleeps there; a default one spins a core per waiting reader, which the
+    # readers still copying and the thread queueing the chunks are short of
+    landed = torch.cuda.Event(blocking=True)
     landed.record(h2d)
     place.wait_event(landed)
     rows, others = [], []
