@@ -212,6 +212,9 @@ class _FakeStream:
 @pytest.fixture
 def cpu_streams(monkeypatch):
     class Event:
+        def __init__(self, **kw):  # (blocking=..., as torch.cuda.Event takes)
+            pass
+
         def record(self, stream=None):
             pass
 

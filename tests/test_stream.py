@@ -372,7 +372,7 @@ def test_every_reader_thread_takes_a_piece_of_a_small_chunk():
     chunks keep their 8 MiB pieces."""
     threads = chunks_mod.READ_THREADS
     big = chunks_mod.piece_bytes(64 << 20)
-    assert big == min(chunks_mod.PIECE_BYTES, max(1 << 20, (64 << 20) // threads))
+    assert big == min(chunks_mod.PIECE_BYTES, max(1 << 20, -(-(64 << 20) // threads)))
     assert chunks_mod.piece_bytes(8 << 20) == max(1 << 20, -(-(8 << 20) // threads))
     assert chunks_mod.piece_bytes(100) == 1 << 20
 
