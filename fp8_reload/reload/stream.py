@@ -98,9 +98,10 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
     """
     streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
     scalars = [t for t in prep.targets if t.kind == "scalar"]
-    # (a filtered bf16 reload may hold only quant targets, which have no views: taken for
-    # a CPU reload, it once wrote nothing at all and reported success)
-    device = next((t.device for t in prep.targets if t.views or t.kind == "quant"), torch.device("cpu"))
+    # the model's device, not a target's: a filtered bf16 reload may hold only quant targets
+    # and loaders, which have no views (taken for a CPU reload, it once wrote nothing at all
+    # and reported success), and on a GPU the loaders must wait for the backup too
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
     if device.type == "cuda":
         _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats)
     else:

@@ -76,7 +76,7 @@ def on_triton_device(model) -> bool:
 class ReloadReport:
     """What one load or reload did. `seconds` holds per-phase wall times, and "read_wait"
     (within "load") when files were read through the ring: the time the commit waited for
-    the reader threads (most of "load": the reads are the limit, not the copies)."""
+    the reader threads (when it is most of "load", the reads are the limit)."""
 
     mode: str
     full: bool
