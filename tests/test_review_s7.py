@@ -1,0 +1,160 @@
+"""Review s7: the GPU reload path (on-demand backup, bf16 experts quantized in the stream,
+copy tables not kept) driven end to end on CPU.
+
+CUDA is emulated as in test_review_s5 (streams and events that do nothing: on CPU every
+queued copy runs at once, in program order), the model's device is reported as a GPU
+with Triton, and the in-stream quantization runs in Triton's interpreter on CPU tensors.
+What this can check: which targets the commit writes, through which path, what the
+backup holds when the restore needs it, and that the bytes equal a fresh load."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import fp8_reload as fr
+import fp8_reload.reload.backup as bk
+import fp8_reload.reload.stream as stream_mod
+import fp8_reload.reload.targets as targets_mod
+import fp8_reload.reload.to_device as to_device
+import fp8_reload.reload.transaction as tx
+
+from .conftest import mix_checkpoints, unchanged
+
+
+class _FakeCuda:
+    type = "cuda"
+    index = 0
+
+
+class _FakeStream:
+    device = torch.device("cpu")
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def gpu_path(monkeypatch):
+    """`update_weights_from_disk` takes its GPU path (on-demand backup on a side stream,
+    `_commit_cuda`, stream quantization) on a CPU model. Returns the list of backups made."""
+    class Event:
+        def __init__(self, **kw):
+            pass
+
+        def record(self, stream=None):
+            pass
+
+        def synchronize(self):
+            pass
+
+    fake = _FakeCuda()
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    for mod in (stream_mod, to_device, tx):
+        monkeypatch.setattr(mod, "side_stream", lambda device, role: _FakeStream())
+    monkeypatch.setattr(tx, "model_device", lambda model: fake)
+    monkeypatch.setattr(tx, "on_triton_device", lambda model: True)
+    monkeypatch.setattr(tx, "synchronize", lambda *a: None)
+    monkeypatch.setattr(bk, "on_cuda", lambda model: True)
+    monkeypatch.setattr(targets_mod.Target, "device", property(lambda self: fake))
+    monkeypatch.setattr(to_device, "REGISTER", "never")
+    ring_for = to_device.ring_for
+    monkeypatch.setattr(to_device, "ring_for", lambda model, n, pin: ring_for(model, n, False))
+    reserve = to_device.DeviceSlots.reserve
+    monkeypatch.setattr(to_device.DeviceSlots, "reserve", lambda self, n, device: reserve(self, n, "cpu"))
+    made = []
+    capture = tx.capture_backup
+
+    def capture_and_keep(*a, **kw):
+        made.append(capture(*a, **kw))
+        return made[-1]
+
+    monkeypatch.setattr(tx, "capture_backup", capture_and_keep)
+    return made
+
+
+def _kinds(model, path, flt):
+    from fp8_reload.reload.plan import open_checkpoint, plan_reload
+
+    _, targets = plan_reload(model, open_checkpoint(model, path), flt, True, model.mode.expand_units)
+    return {t.kind for t in targets}
+
+
+SPECS = [None, {1: [0, 3], 2: [5, 7]}, {2: [7]}]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec", SPECS)
+@pytest.mark.parametrize("backup", ["host", "device"])
+def test_the_gpu_path_equals_a_fresh_load(ckpts, gpu_path, tmp_path, kind, spec, backup):
+    model = fr.load_model(ckpts[kind, 0])
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    if kind == "bf16":  # the expert weights go through the in-stream quantization
+        assert "quant" in _kinds(model, ckpts[kind, 1], flt)
+    report = fr.update_weights_from_disk(model, ckpts[kind, 1], flt, backup=backup)
+    (saved,) = gpu_path
+    assert saved.started and saved.on_demand and report.backup_bytes == saved.nbytes > 0
+    want = ckpts[kind, 1] if flt is None else mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1],
+                                                              tmp_path / "mixed", flt)
+    diffs = fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))
+    assert not diffs, diffs[:5]
+
+
+def _fail_on(monkeypatch, owner, name, at: int):
+    """`owner.name` raises on its `at`-th call (0: the first) while `armed`."""
+    real = getattr(owner, name)
+    calls, armed = [], [True]
+
+    def failing(*a, **kw):
+        calls.append(1)
+        if armed[0] and len(calls) > at:
+            raise RuntimeError(f"injected in {name}")
+        return real(*a, **kw)
+
+    monkeypatch.setattr(owner, name, failing)
+    return armed
+
+
+POINTS = [  # (owner, name, at): before any write, mid-commit, the scales, processing
+    (to_device, "registered_files", 0),
+    (to_device, "_quantize_chunk", 2),
+    (to_device, "copy_async", 3),
+    (stream_mod, "_write_scalars", 0),
+    (stream_mod, "mark_loaded", 0),
+    (tx, "process_modules", 1),
+]
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec", [None, {1: [0, 3], 2: [5, 7]}])
+@pytest.mark.parametrize("point", POINTS, ids=lambda p: f"{p[1]}@{p[2]}")
+@pytest.mark.parametrize("backup", ["host", "device"])
+def test_a_fault_in_the_gpu_path_restores_the_model(ckpts, gpu_path, monkeypatch, kind, spec, point,
+                                                     backup):
+    import fp8_reload.reload.chunks as chunks_mod
+
+    if kind == "fp8" and point[1] == "_quantize_chunk":
+        pytest.skip("no bf16 expert in an fp8 checkpoint")
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 8192)  # several chunks, several pieces
+    monkeypatch.setattr(bk, "LOOKAHEAD", 0)
+    model = fr.load_model(ckpts[kind, 0])
+    before = fr.snapshot(model)
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    armed = _fail_on(monkeypatch, *point)
+    with pytest.raises(fr.CommitError, match="injected") as info:
+        fr.update_weights_from_disk(model, ckpts[kind, 1], flt, backup=backup)
+    (saved,) = gpu_path
+    assert info.value.report.backup_bytes == (saved.nbytes if saved.started else 0)
+    assert not unchanged(model, before)
+    armed[0] = False  # the next reload behaves as on an untouched model
+    fr.update_weights_from_disk(model, ckpts[kind, 1], flt, backup=backup)
+    fresh = fr.load_model(ckpts[kind, 1])
+    if flt is None:
+        assert not fr.compare_states(fr.snapshot(fresh), fr.snapshot(model))
