@@ -8,7 +8,9 @@
 #    host RSS, live tensors, torch.cuda.memory_allocated exactly unchanged).
 # 2. The cost of the transaction on the GPU (measured, not tuned): per-phase
 #    seconds and staged/backup bytes for a full and a filtered reload of a
-#    2-layer v2-lite slice, with the backup in host memory and on the device.
+#    2-layer v2-lite slice, with the backup in host memory and on the device
+#    (the streaming reload's backup copies run inside "load": its "backup"
+#    column is the planning alone).
 #
 # Expect: "N passed" with 0 failed and no CUDA case skipped; two "soak {...}"
 # lines with cuda_allocated_warm == cuda_allocated_end; the phase table.

@@ -21,9 +21,11 @@ import torch
 from .header import forget_parsed
 
 ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can view it)
-# a page-cache read is a CPU copy: one thread per core but the one queueing the chunks, up to
-# 16 (the H200 host's 16 cores read 1.74 GiB from the page cache in 43-56 ms with 16 threads)
-READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", str(min(16, max(2, (os.cpu_count() or 2) - 1)))))
+# a page-cache read is a CPU copy: one thread per core this process may run on but the one
+# queueing the chunks, up to 16 (the H200 host's 16 cores read 1.74 GiB from the page cache in
+# 43-56 ms with 16 threads)
+_CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
+READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", str(min(16, max(2, _CORES - 1)))))
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, pool)

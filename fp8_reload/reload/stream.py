@@ -28,7 +28,7 @@ import torch
 from .. import trace
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.values import invalid_tensor_error
-from ..device import side_stream
+from ..device import model_device, side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from .chunks import Chunk, advise_will_need, make_chunks, read_scalars, ring_for, stream_through_ring
@@ -90,18 +90,19 @@ def _write_scalars(targets: list[Target], values: list[float]) -> None:
         view.fill_(v)
 
 
-def commit(model, prep: Prepared, stats: dict, wait_for=None) -> set[str]:
+def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None) -> set[str]:
     """Write every target into place; returns the names of the modules touched.
 
     `wait_for(module, slot=None)` gives the CUDA event after which `module` (that expert
-    slot of it) may be overwritten (its backup is taken), or None.
+    slot of it) may be overwritten (its backup is taken), or None. `device`: the model's
+    (looked up when not given).
     """
     streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
     scalars = [t for t in prep.targets if t.kind == "scalar"]
     # the model's device, not a target's: a filtered bf16 reload may hold only quant targets
     # and loaders, which have no views (taken for a CPU reload, it once wrote nothing at all
     # and reported success), and on a GPU the loaders must wait for the backup too
-    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    device = device or model_device(model) or torch.device("cpu")
     if device.type == "cuda":
         _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats)
     else:
