@@ -6,7 +6,7 @@ import json
 import os
 import shutil
 import signal
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import pytest
@@ -161,3 +161,36 @@ def raising_on_call(fn, n: int, exc: BaseException):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+class FakeStream:
+    """A CUDA stream stand-in for driving a GPU reload path on CPU: every queued copy runs
+    at once, in program order, so waits have nothing to wait for."""
+
+    device = torch.device("cpu")
+
+    def wait_event(self, event):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+
+class FakeEvent:
+    def __init__(self, **kw):  # (blocking=..., as torch.cuda.Event takes)
+        pass
+
+    def record(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+
+def fake_cuda_streams(monkeypatch, *modules) -> None:
+    """torch.cuda's events and streams, and each of `modules`' `side_stream`, as stand-ins."""
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: FakeStream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: nullcontext())
+    for mod in modules:
+        monkeypatch.setattr(mod, "side_stream", lambda device, role: FakeStream())

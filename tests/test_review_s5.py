@@ -23,6 +23,8 @@ from fp8_reload.reload.chunks import make_chunks
 from fp8_reload.reload.plan import open_checkpoint, plan_reload
 from fp8_reload.reload.targets import write_order
 
+from .conftest import fake_cuda_streams
+
 
 class _Stream:
     device = "cpu"
@@ -199,29 +201,9 @@ from fp8_reload.reload.chunks import Chunk  # noqa: E402
 from fp8_reload.reload.targets import Target  # noqa: E402
 
 
-class _FakeStream:
-    device = torch.device("cpu")
-
-    def wait_event(self, event):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
 @pytest.fixture
 def cpu_streams(monkeypatch):
-    class Event:
-        def __init__(self, **kw):  # (blocking=..., as torch.cuda.Event takes)
-            pass
-
-        def record(self, stream=None):
-            pass
-
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    monkeypatch.setattr(to_device, "side_stream", lambda device, role: _FakeStream())
+    fake_cuda_streams(monkeypatch, to_device)
 
 
 def _chunk(sizes):

@@ -9,19 +9,15 @@ backup holds when the restore needs it, and that the bytes equal a fresh load.""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
-import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.backup as bk
 import fp8_reload.reload.stream as stream_mod
-import fp8_reload.reload.targets as targets_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as tx
 
-from .conftest import mix_checkpoints, unchanged
+from .conftest import fake_cuda_streams, mix_checkpoints, unchanged
 
 
 class _FakeCuda:
@@ -29,41 +25,16 @@ class _FakeCuda:
     index = 0
 
 
-class _FakeStream:
-    device = torch.device("cpu")
-
-    def wait_event(self, event):
-        pass
-
-    def wait_stream(self, other):
-        pass
-
-
 @pytest.fixture
 def gpu_path(monkeypatch):
     """`update_weights_from_disk` takes its GPU path (on-demand backup on a side stream,
     `_commit_cuda`, stream quantization) on a CPU model. Returns the list of backups made."""
-    class Event:
-        def __init__(self, **kw):
-            pass
-
-        def record(self, stream=None):
-            pass
-
-        def synchronize(self):
-            pass
-
     fake = _FakeCuda()
-    monkeypatch.setattr(torch.cuda, "Event", Event)
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: _FakeStream())
-    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
-    for mod in (stream_mod, to_device, tx):
-        monkeypatch.setattr(mod, "side_stream", lambda device, role: _FakeStream())
+    fake_cuda_streams(monkeypatch, stream_mod, to_device, tx)
     monkeypatch.setattr(tx, "model_device", lambda model: fake)
     monkeypatch.setattr(tx, "on_triton_device", lambda model: True)
     monkeypatch.setattr(tx, "synchronize", lambda *a: None)
     monkeypatch.setattr(bk, "on_cuda", lambda model: True)
-    monkeypatch.setattr(targets_mod.Target, "device", property(lambda self: fake))
     monkeypatch.setattr(to_device, "REGISTER", "never")
     ring_for = to_device.ring_for
     monkeypatch.setattr(to_device, "ring_for", lambda model, n, pin: ring_for(model, n, False))

@@ -105,6 +105,7 @@ def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, t
 def test_experts_to_quantize_in_the_stream_are_never_dropped_on_the_host(ckpts):
     """Quant targets (bf16 experts, no view) are a GPU path: the host commit refuses them
     instead of reporting a reload that wrote nothing."""
+    from fp8_reload.device import model_device
     from fp8_reload.reload.stream import commit, prepare
 
     model = fr.load_model(ckpts["bf16", 0])
@@ -112,7 +113,7 @@ def test_experts_to_quantize_in_the_stream_are_never_dropped_on_the_host(ckpts):
     names = [n for n in ckpt.names if fr.generate_weight_name_filter({1: [0]})(n)]
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device=True)
     assert targets and {t.kind for t in targets} == {"quant"} and all(not t.views for t in targets)
-    assert all(t.device == model.model.layers[1].mlp.experts.w13_weight.device for t in targets)
+    assert all(t.module.w13_weight.device == model_device(model) for t in targets)  # where commit looks
     prep = prepare(ckpt, targets, {})
     with pytest.raises(RuntimeError, match="only on a GPU"):
         commit(model, prep, {})

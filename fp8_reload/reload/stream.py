@@ -135,7 +135,7 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> Non
 
     stream.wait_stream(torch.cuda.current_stream(device))
     if streamed:
-        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, keep_tables=prep.whole)
+        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, device, keep_tables=prep.whole)
     # the scales last: written first, they would make the copy stream wait for the backup
     # of every module before its first copy (nothing of the two directions would overlap)
     with torch.cuda.stream(stream):

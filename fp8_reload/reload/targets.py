@@ -37,11 +37,6 @@ class Target:
     slots: list[int] = field(default_factory=list)  # FusedMoE local slots written
     shard: str | None = None  # w1 | w2 | w3 for quant targets
 
-    @property
-    def device(self) -> torch.device:
-        """Where it lands: a quant target has no view, its FP8 slots are the layer's."""
-        return self.views[0].device if self.views else self.module.w13_weight.device
-
 
 def _default_loaded(param) -> bool:
     return not hasattr(param, "weight_loader")

@@ -227,12 +227,12 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     return landed
 
 
-def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict,
+def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict, device,
                 keep_tables: bool = True) -> None:
-    """Copy every streamed target into place on `device`, then check the values (one
-    read-back). `writable(module, slots)` makes the writes stream wait until those slots
-    of `module` (all of it, for no slots) may be overwritten (their backup is taken)."""
-    device = streamed[0].device
+    """Copy every streamed target into place on `device` (the model's), then check the
+    values (one read-back). `writable(module, slots)` makes the writes stream wait until
+    those slots of `module` (all of it, for no slots) may be overwritten (their backup is
+    taken)."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
