@@ -104,7 +104,7 @@ def _simulate(ckpt, old, new, mode, fail_at=None, fail_rank=None):
             failed = True
             continue
         for lid in mine.changed:
-            refresh_merged_input_scales(layers[lid])
+            refresh_merged_input_scales([layers[lid]])
             layers[lid].weights_version += 1
         clear_kernel_caches(model)
         if stop == "refresh":

@@ -53,7 +53,7 @@ from .agree import agree
 from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
 from .plan import RebalancePlan
-from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales_of
+from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
 from .transfer import Moves, RowMover, Run, plan_moves
 
 
@@ -266,7 +266,7 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
             moves.from_wire()
             write_slots(mover, moves.local_in)
             write_slots(mover, moves.received)
-            refresh_merged_input_scales_of([layers[lid] for lid in mine.changed])
+            refresh_merged_input_scales([layers[lid] for lid in mine.changed])
             for lid in mine.changed:
                 layers[lid].weights_version += 1
             if mine.changed:

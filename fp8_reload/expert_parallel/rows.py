@@ -59,10 +59,6 @@ def copy_path(device: torch.device) -> str:
     return choice if choice in COPY_PATHS else "index"
 
 
-def use_kernel(device: torch.device) -> bool:
-    return copy_path(device) == "triton"
-
-
 class RowMover:
     """The slot tensors of `layers` (id -> layer) as row tables, looked up once per
     rebalance; `gather` and `scatter` move batches of `Run`s."""

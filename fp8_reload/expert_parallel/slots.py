@@ -13,7 +13,6 @@ import torch
 
 from ..errors import ReloadError
 from ..layers import FP8MoEModel, FusedMoE
-from ..processing import merge_input_scales_
 from ..reload import load_model
 from .placement import Placement
 
@@ -81,19 +80,12 @@ def row_bytes(layer: FusedMoE) -> int:
     return sum(_rows(t).shape[1] for t in slot_tensors(layer))
 
 
-def refresh_merged_input_scales(layer: FusedMoE) -> None:
-    """Layer-max input scales from the raw per-expert values, as a fresh load sets them."""
-    empty = torch.empty(0, dtype=torch.long)
-    for name in ("w13", "w2"):
-        raw = getattr(layer, f"{name}_input_scale_per_expert", None)
-        if raw is not None:
-            merge_input_scales_(getattr(layer, f"{name}_input_scale").data, raw, empty)
-
-
-def refresh_merged_input_scales_of(layers) -> None:
-    """`refresh_merged_input_scales` of every layer of `layers` in a few launches, whatever
-    their number: per (shape, dtype) group, one stack of the raw buffers, one max per
-    row and one `_foreach_copy_` of the maxes into the merged Parameters (in place)."""
+def refresh_merged_input_scales(layers) -> None:
+    """Layer-max input scales from the raw per-expert values, as a fresh load sets them
+    (`processing.ops.merge_input_scales_` with nothing loaded), for every layer of `layers`
+    in a few launches whatever their number: per (shape, dtype) group, one stack of the
+    raw buffers, one max per row and one `_foreach_copy_` of the maxes into the merged
+    Parameters (in place)."""
     groups: dict[tuple, tuple[list, list]] = {}
     for layer in layers:
         for name in ("w13", "w2"):

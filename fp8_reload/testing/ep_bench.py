@@ -59,7 +59,7 @@ def filled_rank_model(spec: str, placement: Placement, rank: int, device) -> FP8
             for slot, expert in enumerate(placement.rank_experts(lid, rank)):
                 for i, t in enumerate(slot_tensors(layer)):
                     t[slot].copy_(_expert_bytes(lid, expert, i, t[slot]))
-            refresh_merged_input_scales(layer)
+        refresh_merged_input_scales(moe_layer_map(model).values())
     synchronize(device)
     return model
 
