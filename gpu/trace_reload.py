@@ -24,6 +24,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8_reload as fr
+from fp8_reload.reload import to_device
+from fp8_reload.testing import io_paths
 
 
 def kind_of(ev) -> str:
@@ -118,6 +120,7 @@ def main():
     lines: list[str] = []
     what = args.what.split(",")
     if "reload" in what:
+        registering = to_device.REGISTER
         for kind in ("fp8", "bf16"):
             cfg = fr.MoEConfig.preset("v2-lite", num_layers=args.layers)
             path = Path(args.dir) / f"v2-lite-{args.layers}-{kind}"
@@ -131,6 +134,18 @@ def main():
             traced(functools.partial(reload, backup="device"), f"{kind} full reload repeated, device backup",
                    out, lines)
             traced(functools.partial(reload, flt), f"{kind} filtered 1 per layer", out, lines)
+            files = sorted(str(f) for f in path.glob("*.safetensors"))
+
+            def first(reload=reload, files=files):  # new stamps: parsed, checked, read through the ring
+                io_paths.touch(files)
+                reload()
+
+            traced(first, f"{kind} first reload", out, lines)
+            to_device.REGISTER = "never"  # the ring without the first reload's parse and checks
+            try:
+                traced(reload, f"{kind} repeated reload through the ring", out, lines)
+            finally:
+                to_device.REGISTER = registering
             del model
             torch.cuda.empty_cache()
     if "process" in what:
