@@ -4,14 +4,16 @@ per-process benchmarks' own classes, sampled the way asv samples them.
 For a ``time_*`` case: the benchmark's `setup` (which warms up: a first reload, the
 forward's JIT, the raw read), one untimed call unless the class sets
 ``warmup_time = 0`` (asv's warm-up; `ProcessMoELayer` sets it: an untimed call would
-leave a processed layer), then `REPEAT` samples, each a `setup` and one timed call
-(``number = 1``) with the suite's timer (`common.TIMER`; the device synchronized around
-both, `common.synchronized`); the value is the best sample, what `fp8-reload report`
-takes from asv's samples. A ``track_*`` case: `setup`, then the method's value.
+leave a processed layer), then `REPEAT` samples, each a `setup` and ``number`` timed
+calls (the class's, or as asv picks it: enough for `SAMPLE_TIME`) with the suite's timer
+(`common.TIMER`; the device synchronized around each call, `common.synchronized`); the
+value is the best sample's time per call, what `fp8-reload report` takes from asv's
+samples. A ``track_*`` case: `setup`, then the method's value.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 import time
@@ -20,6 +22,8 @@ import traceback
 from . import accuracy, common, forward, processing, reload
 
 REPEAT = int(os.environ.get("FP8_RELOAD_BENCH_REPEAT", "3"))
+SAMPLE_TIME = 0.01  # asv's default sample_time
+MAX_NUMBER = 1000
 MODULES = (reload, processing, forward, accuracy)
 
 
@@ -28,6 +32,16 @@ def _class(name: str) -> type:
         if hasattr(mod, name):
             return getattr(mod, name)
     raise LookupError(f"no benchmark class {name} in {[m.__name__ for m in MODULES]}")
+
+
+def _number(call, args, timer) -> int:
+    """Calls per sample for a class that leaves ``number`` to asv: as asv picks it, enough
+    that one sample lasts `SAMPLE_TIME` (a sub-millisecond forward timed once per sample
+    measures what follows the setup as much as the forward)."""
+    t = timer()
+    call(*args)
+    once = timer() - t
+    return max(1, min(MAX_NUMBER, math.ceil(SAMPLE_TIME / once))) if once > 0 else MAX_NUMBER
 
 
 def measure_one(paths: dict, name: str, params: tuple, repeat: int = REPEAT):
@@ -45,12 +59,14 @@ def measure_one(paths: dict, name: str, params: tuple, repeat: int = REPEAT):
         if getattr(cls, "warmup_time", -1) != 0:
             call(*args)
         timer = getattr(cls, "timer", common.TIMER)
+        number = getattr(cls, "number", 0) or _number(call, args, timer)
         samples = []
         for _ in range(repeat):
             setup(*args)
             t = timer()
-            call(*args)
-            samples.append(timer() - t)
+            for _ in range(number):
+                call(*args)
+            samples.append((timer() - t) / number)
         return "ok", min(samples)
     except NotImplementedError as e:
         return "skip", str(e)
