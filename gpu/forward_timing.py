@@ -25,7 +25,7 @@ def main() -> None:
     for tokens in (128, 4096):
         x, w, ids = routed_tokens(cfg, tokens, "cuda")
 
-        def fn():
+        def fn(x=x, w=w, ids=ids):
             return fr.kernels.run_moe(layer, x, w, ids, backend="triton")
 
         for _ in range(10):
@@ -46,7 +46,8 @@ def main() -> None:
                 fn()
                 torch.cuda.synchronize()
                 out.append((time.perf_counter() - t) * 1e3)
-        print(f"[forward {tokens} tokens] events back to back {events:.3f} ms; wall back to back {queued:.3f}; "
+        print(f"[forward {tokens} tokens] events back to back {events:.3f} ms; "
+              f"wall back to back {queued:.3f}; "
               f"synchronized each call: median {statistics.median(each):.3f}, min {min(each):.3f}; "
               f"after 50 ms idle: median {statistics.median(idle):.3f}, min {min(idle):.3f}", flush=True)
 
