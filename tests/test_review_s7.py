@@ -129,3 +129,29 @@ def test_a_fault_in_the_gpu_path_restores_the_model(ckpts, gpu_path, monkeypatch
     fresh = fr.load_model(ckpts[kind, 1])
     if flt is None:
         assert not fr.compare_states(fr.snapshot(fresh), fr.snapshot(model))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec", [None, {2: [7]}])
+def test_the_ring_queues_the_whole_backup_before_its_first_write(ckpts, gpu_path, monkeypatch, tmp_path, kind,
+                                                                 spec):
+    """A ring reload's first write waits for reads anyway: the backup is queued then, whole
+    (between later chunks its copies cost several times more host time), and every copy is
+    queued before any chunk lands."""
+    seen = []
+    land = to_device._land
+
+    def watching(*a, **kw):
+        (saved,) = gpu_path
+        seen.append((saved.next, len(saved.todo)))
+        return land(*a, **kw)
+
+    monkeypatch.setattr(to_device, "_land", watching)
+    model = fr.load_model(ckpts[kind, 0])
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
+    assert seen and all(queued == total > 0 for queued, total in seen), seen
+    want = ckpts[kind, 1] if flt is None else mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1],
+                                                              tmp_path / "mixed", flt)
+    diffs = fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))
+    assert not diffs, diffs[:5]

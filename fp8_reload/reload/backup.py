@@ -138,12 +138,17 @@ class Backup:
         self.pending = []
         self._queue(-1 if stream is not None else len(big))
 
-    def complete(self) -> None:
-        """Queue the copies not asked for yet; the current stream waits for all of them
-        (post-processing may write what no copy of the commit did)."""
+    def queue_all(self) -> None:
+        """Queue every copy now, the writes still waiting for their own piece only: while the
+        ring's first reads run, not between its chunks, where the reader threads make each
+        queued copy cost several times more host time."""
         if self.on_demand and not self.started:
             self.start()
         self._queue(len(self.todo))
+
+    def complete(self) -> None:
+        """Queue all copies; the current stream waits for them (processing may write more)."""
+        self.queue_all()
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 

@@ -207,10 +207,12 @@ def ring_for(model, nbytes: int, pin: bool) -> Ring:
 
 
 def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
-                        land: Callable[[Chunk, torch.Tensor], object], stats: dict) -> None:
+                        land: Callable[[Chunk, torch.Tensor], object], stats: dict,
+                        reading: Callable[[], None] | None = None) -> None:
     """Read `chunks` through `ring` and hand each, in order, to `land(chunk, buffer)`,
     which queues what it does and returns an event (`.synchronize()`) after which the
-    buffer may be refilled, or None when it has finished with it."""
+    buffer may be refilled, or None when it has finished with it. `reading()` runs once
+    the first reads are under way (work that would otherwise wait for them)."""
     if not chunks:
         return
     slots = len(ring.buffers)
@@ -239,6 +241,8 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
         try:
             for k in range(min(slots, len(chunks))):
                 pending[k] = submit(pool, k)
+            if reading is not None:
+                reading()
             for k, chunk in enumerate(chunks):
                 with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
                     t0 = time.perf_counter()

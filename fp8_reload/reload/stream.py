@@ -90,12 +90,13 @@ def _write_scalars(targets: list[Target], values: list[float]) -> None:
         view.fill_(v)
 
 
-def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None) -> set[str]:
+def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None, backup_ahead=None) -> set[str]:
     """Write every target into place; returns the names of the modules touched.
 
     `wait_for(module, slot=None)` gives the CUDA event after which `module` (that expert
-    slot of it) may be overwritten (its backup is taken), or None. `device`: the model's
-    (looked up when not given).
+    slot of it) may be overwritten (its backup is taken), or None; `backup_ahead()` queues
+    every backup copy at once (see `to_device.commit_cuda`). `device`: the model's (looked
+    up when not given).
     """
     streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
     scalars = [t for t in prep.targets if t.kind == "scalar"]
@@ -104,7 +105,7 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None) -> se
     # and reported success), and on a GPU the loaders must wait for the backup too
     device = device or model_device(model) or torch.device("cpu")
     if device.type == "cuda":
-        _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats)
+        _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats, backup_ahead)
     else:
         _write_scalars(scalars, prep.scalar_values)
         _commit_host(model, prep, streamed, stats)
@@ -118,7 +119,7 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None) -> se
     return mark_loaded(prep.targets)
 
 
-def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> None:
+def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats, backup_ahead) -> None:
     from .to_device import commit_cuda
 
     stream = side_stream(device, "copy")
@@ -135,7 +136,8 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats) -> Non
 
     stream.wait_stream(torch.cuda.current_stream(device))
     if streamed:
-        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, device, keep_tables=prep.whole)
+        commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, device, keep_tables=prep.whole,
+                    backup_ahead=backup_ahead)
     # the scales last: written first, they would make the copy stream wait for the backup
     # of every module before its first copy (nothing of the two directions would overlap)
     with torch.cuda.stream(stream):

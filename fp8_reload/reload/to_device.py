@@ -228,11 +228,12 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
 
 
 def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict, device,
-                keep_tables: bool = True) -> None:
+                keep_tables: bool = True, backup_ahead=None) -> None:
     """Copy every streamed target into place on `device` (the model's), then check the
     values (one read-back). `writable(module, slots)` makes the writes stream wait until
     those slots of `module` (all of it, for no slots) may be overwritten (their backup is
-    taken)."""
+    taken). `backup_ahead()`, if given, queues the whole backup: called while the ring's
+    first reads run."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
@@ -275,7 +276,8 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
                 turn = itertools.count(len(direct))  # which device buffer: the two alternate
                 with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
                     stream_through_ring(ckpt, rest, ring,
-                                        lambda chunk, buf: _land(chunk, buf, next(turn), *landing), stats)
+                                        lambda chunk, buf: _land(chunk, buf, next(turn), *landing), stats,
+                                        reading=backup_ahead)
             if check and checks:  # the same views every first reload: their table is kept
                 kept = holder(model, "value_tables", KeptTables)
                 flags.append(nonfinite_flags([v for _, v in checks], kept))

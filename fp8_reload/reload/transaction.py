@@ -237,7 +237,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     with torch.no_grad():
                         if streaming:
                             progress.doing = "streaming weights into place"
-                            touched = commit(model, prepared, stats, wait_for=saved.event_for, device=device)
+                            touched = commit(model, prepared, stats, wait_for=saved.event_for, device=device,
+                                             backup_ahead=saved.queue_all)
                             saved.complete()  # what processing writes is backed up before it
                             report.backup_bytes = saved.nbytes
                         else:
