@@ -13,6 +13,8 @@ O_NONBLOCK, so that a file swapped for a FIFO between the two still opens at
 once; then `fstat` of the opened descriptor, so the check applies to exactly the
 file that is read.
 
+`open_shard`, `read_span` and `read_into` are the positional reads of tensor bytes.
+
 `os_error` turns an `OSError` into the `CheckpointError` subclass a user sees;
 every entry point (`Checkpoint`, `load_model`, `update_weights_from_disk`) goes
 through it, so a missing file is always `CheckpointNotFoundError` and a file
@@ -27,6 +29,9 @@ import io
 import os
 import stat
 import time
+from pathlib import Path
+
+import torch
 
 from ..errors import (
     CheckpointError,
@@ -186,3 +191,38 @@ def list_dir(path) -> list[str]:
         return sorted(os.listdir(path))
     except (OSError, ValueError) as e:
         raise os_error(e, path) from None
+
+
+def open_shard(fpath: Path):
+    """A shard opened for positional reads (a file object: use it in a ``with``); a
+    regular file only, opened without blocking (`open_regular`)."""
+    return open_regular(fpath)
+
+
+def read_span(handle, fpath: Path, offset: int, nbytes: int, out: torch.Tensor | None = None,
+              what: str = "data") -> torch.Tensor:
+    """`nbytes` bytes at `offset` (validated by the caller against the header), into `out`
+    (uint8, e.g. a pinned staging slice) or fresh CPU memory. Positional reads: threads may
+    share `handle`."""
+    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
+    read_into(handle, fpath, offset, memoryview(buf.numpy()), what)
+    return buf
+
+
+def read_into(handle, fpath: Path, offset: int, view: memoryview, what: str = "data") -> None:
+    """`read_span` into a byte view the caller keeps (a ring slot's: no tensor, no view made
+    per read, each of which holds the GIL that a reload's other threads wait for)."""
+    nbytes = len(view)
+    fd = handle.fileno()
+    got = 0
+    try:
+        while got < nbytes:  # one read returns at most ~2 GiB on Linux
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if not n:
+                raise CorruptCheckpointError(
+                    f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
+                    "(the file changed after its header was read?)")
+            got += n
+    except OSError as e:
+        err = os_error(e, fpath)
+        raise type(err)(f"{err} (reading {what})") from None

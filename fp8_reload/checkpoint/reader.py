@@ -8,7 +8,6 @@ read with positional reads at the offsets the validated header gives.
 from __future__ import annotations
 
 import dataclasses
-import os
 import stat
 from collections.abc import Iterable, Iterator
 from concurrent.futures import wait
@@ -27,6 +26,7 @@ from ..errors import (
     UnsupportedCheckpointError,
 )
 from . import files
+from .files import read_span
 from .header import (
     OTHER_WEIGHT_SUFFIXES,
     PICKLE_SUFFIXES,
@@ -38,35 +38,6 @@ from .header import (
 )
 from .layout import INDEX_FILE, SINGLE_FILE
 from .staging import READ_THREADS, aligned, reader_pool
-
-
-def open_shard(fpath: Path):
-    """A shard opened for positional reads (a file object: use it in a ``with``); a
-    regular file only, opened without blocking (`files.open_regular`)."""
-    return files.open_regular(fpath)
-
-
-def read_span(handle, fpath: Path, offset: int, nbytes: int, out: torch.Tensor | None = None,
-              what: str = "data") -> torch.Tensor:
-    """`nbytes` bytes at `offset` (validated by the caller against the header), into `out`
-    (uint8, e.g. a pinned staging slice) or fresh CPU memory. Positional reads: threads may
-    share `handle`."""
-    buf = torch.empty(nbytes, dtype=torch.uint8) if out is None else out
-    view = memoryview(buf.numpy())
-    fd = handle.fileno()
-    got = 0
-    try:
-        while got < nbytes:  # one read returns at most ~2 GiB on Linux
-            n = os.preadv(fd, [view[got:]], offset + got)
-            if not n:
-                raise CorruptCheckpointError(
-                    f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
-                    "(the file changed after its header was read?)")
-            got += n
-    except OSError as e:
-        err = files.os_error(e, fpath)
-        raise type(err)(f"{err} (reading {what})") from None
-    return buf
 
 
 def _read_tensor(handle, fpath: Path, info: TensorInfo,

@@ -24,7 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import trace
-from ..checkpoint.reader import Checkpoint, open_shard, read_span
+from ..checkpoint.files import open_shard, read_into, read_span
+from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import READ_THREADS, held, reader_pool
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
@@ -182,6 +183,7 @@ class Ring:
 
     def __init__(self, slots: int, slot_bytes: int, pin: bool):
         self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
+        self.views = [memoryview(b.numpy()) for b in self.buffers]
         self.events: list = [None] * slots
 
     @property
@@ -192,7 +194,7 @@ class Ring:
         return bool(self.buffers) and nbytes <= self.buffers[0].numel()
 
     def release(self) -> None:
-        self.buffers, self.events = [], []
+        self.buffers, self.views, self.events = [], [], []
 
 
 def ring_for(model, nbytes: int, pin: bool) -> Ring:
@@ -217,14 +219,15 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
         return
     slots = len(ring.buffers)
     handles: dict = {}
+    paths = {c.file: ckpt.path / c.file for c in chunks}
 
     def read_piece(k: int, off: int, n: int, at: int) -> None:
         slot = k % slots
         event = ring.events[slot]
         if event is not None:
             event.synchronize()  # what was landed from this slot has been copied out
-        path = ckpt.path / chunks[k].file
-        read_span(handles[chunks[k].file], path, off, n, out=ring.buffers[slot][at:at + n],
+            ring.events[slot] = None  # (the chunk's other readers need not ask again)
+        read_into(handles[chunks[k].file], paths[chunks[k].file], off, ring.views[slot][at:at + n],
                   what=f"bytes {off}..{off + n}")
 
     def submit(pool, k: int) -> list:
