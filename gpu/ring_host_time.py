@@ -20,6 +20,7 @@ sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
 import fp8_reload as fr  # noqa: E402
+from fp8_reload.checkpoint.staging import held  # noqa: E402
 from fp8_reload.kernels.triton import copy_rows  # noqa: E402
 from fp8_reload.reload import to_device  # noqa: E402
 from fp8_reload.testing import io_paths  # noqa: E402
@@ -59,7 +60,9 @@ def main() -> None:
     calls = "; ".join(f"{k} x{len(v)} {sum(v) * 1e3:.1f} ms (median {statistics.median(v) * 1e6:.0f} us, "
                       f"max {max(v) * 1e6:.0f} us)" for k, v in acc.items())
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in report.seconds.items())
-    print(f"[{mode}] wall {wall * 1e3:.1f} ms: {phases}\n   {calls}", flush=True)
+    ring = held(model).get("ring")
+    readers = "processes" if getattr(ring, "shared", None) is not None else "threads"
+    print(f"[{mode}, {readers}] wall {wall * 1e3:.1f} ms: {phases}\n   {calls}", flush=True)
 
 
 if __name__ == "__main__":

@@ -219,10 +219,17 @@ def read_into(handle, fpath: Path, offset: int, view: memoryview, what: str = "d
         while got < nbytes:  # one read returns at most ~2 GiB on Linux
             n = os.preadv(fd, [view[got:]], offset + got)
             if not n:
-                raise CorruptCheckpointError(
-                    f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
-                    "(the file changed after its header was read?)")
+                raise read_failure(fpath, what, got, nbytes)
             got += n
     except OSError as e:
-        err = os_error(e, fpath)
-        raise type(err)(f"{err} (reading {what})") from None
+        raise read_failure(fpath, what, got, nbytes, e) from None
+
+
+def read_failure(fpath: Path, what: str, got: int, nbytes: int,
+                 error: OSError | None = None) -> CheckpointError:
+    """The error of a positional read that failed (`error`) or came back short."""
+    if error is None:
+        return CorruptCheckpointError(f"{fpath}: truncated while reading {what}: got {got} of {nbytes} bytes "
+                                      "(the file changed after its header was read?)")
+    err = os_error(error, fpath)
+    return type(err)(f"{err} (reading {what})")

@@ -1,32 +1,27 @@
-"""Cutting a reload into chunks, and the reader threads that fill a ring of buffers with them.
+"""Cutting a reload into chunks (read through `ring`), its scales, and advice to the kernel.
 
 A reload's tensors are read in file order, in big contiguous spans (the tensors of
 one shard are adjacent), never one call per tensor. Each chunk (about `CHUNK_BYTES`,
-one file) is read by several threads at once, `PIECE_BYTES` each, into a slot of a
-ring of `RING_SLOTS` buffers; while the next chunks are read, the caller lands the
-ready one (copies it to its parameters). A slot is refilled only once what was
-landed from it has run (the event `land` returned).
+one file) is read by several readers at once, `PIECE_BYTES` at most each, into a slot
+of a ring of `RING_SLOTS` buffers (`ring.stream_through_ring`).
 
 Tunables (environment, read at import): ``FP8_RELOAD_CHUNK_BYTES`` (default 64 MiB),
 ``FP8_RELOAD_RING_SLOTS`` (4: the ring is 256 MiB of pinned memory on a GPU host),
-``FP8_RELOAD_READ_THREADS`` (`staging.READ_THREADS`).
+``FP8_RELOAD_READ_THREADS`` (`staging.READ_THREADS`), ``FP8_RELOAD_READERS``
+(`checkpoint.read_procs`).
 """
 
 from __future__ import annotations
 
 import os
 import struct
-import time
-from collections.abc import Callable
-from concurrent.futures import wait
 from dataclasses import dataclass, field
 
 import torch
 
-from .. import trace
-from ..checkpoint.files import open_shard, read_into, read_span
+from ..checkpoint.files import open_shard, read_span
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.staging import READ_THREADS, held, reader_pool
+from ..checkpoint.staging import READ_THREADS
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
 from .targets import Target
@@ -175,98 +170,3 @@ def invalid_value(ckpt: Checkpoint, name: str, others: int = 0) -> InvalidTensor
     except ReloadError:
         tensor = None
     return invalid_tensor_error(str(ckpt.path / ckpt.weight_map[name]), name, tensor, others)
-
-
-class Ring:
-    """`slots` buffers (pinned when `pin`) that reader threads fill while the landed
-    copies drain them; each slot remembers the event after which it may be refilled."""
-
-    def __init__(self, slots: int, slot_bytes: int, pin: bool):
-        self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
-        self.views = [memoryview(b.numpy()) for b in self.buffers]
-        self.events: list = [None] * slots
-
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() for b in self.buffers)
-
-    def fits(self, nbytes: int) -> bool:
-        return bool(self.buffers) and nbytes <= self.buffers[0].numel()
-
-    def release(self) -> None:
-        self.buffers, self.views, self.events = [], [], []
-
-
-def ring_for(model, nbytes: int, pin: bool) -> Ring:
-    """The model's reusable ring, grown to hold chunks of `nbytes`."""
-    things = held(model)
-    ring = things.get("ring")
-    if ring is None or not ring.fits(nbytes) or len(ring.buffers) != RING_SLOTS:
-        if ring is not None:
-            ring.release()  # pinned memory is precious: the old one goes first
-        ring = things["ring"] = Ring(RING_SLOTS, max(nbytes, CHUNK_BYTES), pin)
-    return ring
-
-
-def stream_through_ring(ckpt: Checkpoint, chunks: list[Chunk], ring: Ring,
-                        land: Callable[[Chunk, torch.Tensor], object], stats: dict,
-                        reading: Callable[[], None] | None = None) -> None:
-    """Read `chunks` through `ring` and hand each, in order, to `land(chunk, buffer)`,
-    which queues what it does and returns an event (`.synchronize()`) after which the
-    buffer may be refilled, or None when it has finished with it. `reading()` runs once
-    the first reads are under way (work that would otherwise wait for them)."""
-    if not chunks:
-        return
-    slots = len(ring.buffers)
-    handles: dict = {}
-    paths = {c.file: ckpt.path / c.file for c in chunks}
-
-    def read_piece(k: int, off: int, n: int, at: int) -> None:
-        slot = k % slots
-        event = ring.events[slot]
-        if event is not None:
-            event.synchronize()  # what was landed from this slot has been copied out
-            ring.events[slot] = None  # (the chunk's other readers need not ask again)
-        read_into(handles[chunks[k].file], paths[chunks[k].file], off, ring.views[slot][at:at + n],
-                  what=f"bytes {off}..{off + n}")
-
-    def submit(pool, k: int) -> list:
-        piece = piece_bytes(chunks[k].nbytes)
-        return [pool.submit(read_piece, k, off + p, min(piece, n - p), at + p)
-                for off, n, at in chunks[k].spans for p in range(0, n, piece)]
-
-    try:
-        for f in sorted({c.file for c in chunks}):  # still the parsed files (Checkpoint.open_shard)
-            handles[f], _ = ckpt.open_shard(f)
-        stats["files_opened"] = stats.get("files_opened", 0) + len(handles)
-        pool = reader_pool()
-        pending: dict[int, list] = {}
-        try:
-            for k in range(min(slots, len(chunks))):
-                pending[k] = submit(pool, k)
-            if reading is not None:
-                reading()
-            for k, chunk in enumerate(chunks):
-                with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
-                    t0 = time.perf_counter()
-                    for f in pending[k]:
-                        f.result()
-                    stats["read_wait"] = stats.get("read_wait", 0.0) + time.perf_counter() - t0
-                    del pending[k]  # kept until read whole: a failure waits for its other pieces
-                slot = k % slots
-                ring.events[slot] = land(chunk, ring.buffers[slot])
-                stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
-                if k + slots < len(chunks):
-                    pending[k + slots] = submit(pool, k + slots)
-        finally:  # a failure: reads not started are dropped, those in flight finish
-            for fs in pending.values():  # before their buffers go
-                for f in fs:
-                    f.cancel()
-                wait(fs)
-    finally:
-        for h in handles.values():
-            h.close()
-        for event in ring.events:  # the next user of the ring starts from drained buffers
-            if event is not None:
-                event.synchronize()
-        ring.events = [None] * len(ring.buffers)

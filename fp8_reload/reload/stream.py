@@ -31,7 +31,8 @@ from ..checkpoint.values import invalid_tensor_error
 from ..device import model_device, side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
-from .chunks import Chunk, advise_will_need, make_chunks, read_scalars, ring_for, stream_through_ring
+from .chunks import Chunk, advise_will_need, make_chunks, read_scalars
+from .ring import ring_for, stream_through_ring
 from .targets import Target, mark_loaded
 
 

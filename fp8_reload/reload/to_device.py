@@ -6,7 +6,7 @@ Two sources:
 * a *registered* shard (`checkpoint.registered`, the file's page cache pinned for the
   DMA engine): each chunk is one host-to-device copy of its file window, nothing read
   by the CPU at all;
-* any other file: `chunks.stream_through_ring` (reader threads into pinned buffers),
+* any other file: `ring.stream_through_ring` (readers into pinned buffers),
   and one copy out of each buffer.
 
 Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
@@ -37,7 +37,8 @@ from ..checkpoint.staging import holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from ..processing.ops import expert_row, fp8_expert_layout, on_triton
-from .chunks import Chunk, invalid_value, make_chunks, ring_for, stream_through_ring
+from .chunks import Chunk, invalid_value, make_chunks
+from .ring import ring_for, stream_through_ring
 from .targets import Target
 
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
@@ -195,7 +196,7 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
             copy_async(dslot[at:at + n], buf[off:off + n], h2d)
     else:
         copy_async(dslot, buf[:chunk.extent], h2d)
-    # reader threads wait on it before refilling `buf` (`chunks.stream_through_ring`): a
+    # reader threads wait on it before refilling `buf` (`ring.stream_through_ring`): a
     # blocking event sleeps there; a default one spins a core per waiting reader, which the
     # readers still copying and the thread queueing the chunks are short of
     landed = torch.cuda.Event(blocking=True)

@@ -1,0 +1,213 @@
+"""Reader processes for a reload's ring: page-cache reads that share no GIL with the thread
+landing the chunks.
+
+With reader threads, every call of the landing thread that lets the GIL go (a copy, an
+event, a launch) waited for readers to give it back: on the H200 host a chunk took 1.2 ms
+of host time to land with 15 readers running, 0.4 ms with none. Processes read into
+shared memory (`SharedBuffer`, a memfd mapped by both sides) and answer over a socket
+(`read_worker` says the protocol); the landing thread blocks only on those answers.
+
+``FP8_RELOAD_READERS``: ``processes`` (default where Linux gives memfd and descriptor
+passing) or ``threads`` (`staging.reader_pool`). The processes start once per process
+(tens of milliseconds: they import the standard library only) and exit with it.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import itertools
+import mmap
+import os
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import torch
+
+from ..errors import ReloadError
+from .staging import READ_THREADS
+
+READERS = os.environ.get("FP8_RELOAD_READERS", "processes")
+if READERS not in ("processes", "threads"):
+    raise ValueError(f"FP8_RELOAD_READERS must be processes or threads, not {READERS!r}")
+WORKER = Path(__file__).with_name("read_worker.py")
+_keys = itertools.count(1)
+
+
+def supported() -> bool:
+    return (READERS == "processes" and sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+            and hasattr(socket, "send_fds"))
+
+
+class SharedBuffer:
+    """`nbytes` of shared memory, as a uint8 tensor here; reader processes map it too.
+    `pin()` registers it with the CUDA driver (a host-to-device copy from it is one DMA)."""
+
+    def __init__(self, nbytes: int):
+        self.key = next(_keys)
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("fp8_reload-ring", os.MFD_CLOEXEC)
+        os.ftruncate(self.fd, nbytes)
+        self.tensor = torch.frombuffer(mmap.mmap(self.fd, nbytes), dtype=torch.uint8)
+        self.pinned = False
+
+    def pin(self) -> bool:
+        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+        self.pinned = int(err) == 0
+        return self.pinned
+
+    def release(self) -> None:
+        """Unregistered now; unmapped when the last view of it goes."""
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        self.tensor = None
+
+
+class ReaderProcs:
+    """`n` reader processes. Pieces of a chunk go to them in turns; each answers in the order
+    it was asked, so waiting for chunk k reads each one's answers up to k."""
+
+    def __init__(self, n: int):
+        from . import read_worker as w  # (the protocol's message layouts)
+
+        self.w = w
+        self.pid = os.getpid()
+        self.socks: list[socket.socket] = []
+        self.procs: list[subprocess.Popen] = []
+        for _ in range(n):
+            ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+            self.procs.append(subprocess.Popen([sys.executable, "-I", str(WORKER), str(theirs.fileno())],
+                                               pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
+            theirs.close()
+            self.socks.append(ours)
+        self.pending = [collections.deque() for _ in range(n)]  # (req, chunk, piece) per process
+        self.mapped: set[int] = set()
+        self.req = itertools.count()
+        self.broken = False
+        self.busy = threading.Lock()  # one ring at a time: answers are matched in order
+        self.dropped: list[int] = []  # buffers to unmap (`forget`)
+
+    def _send(self, i: int, msg: bytes, fds=()) -> None:
+        try:
+            if fds:
+                socket.send_fds(self.socks[i], [msg], list(fds))
+            else:
+                self.socks[i].send(msg)
+        except OSError as e:
+            raise self._died(i, e) from None
+
+    def _died(self, i: int, why=None) -> ReloadError:
+        self.broken = True
+        code = self.procs[i].poll()
+        return ReloadError(f"reader process {self.procs[i].pid} stopped (exit status {code}"
+                           f"{': ' + str(why) if why else ''}); the next reload starts new ones")
+
+    def attach(self, buf: SharedBuffer) -> None:
+        """Every process maps `buf` (and unmaps the buffers `forget` dropped since)."""
+        while self.dropped:
+            key = self.dropped.pop()
+            if key in self.mapped:
+                for i in range(len(self.socks)):
+                    self._send(i, self.w.KEY.pack(b"U", key))
+                self.mapped.discard(key)
+        if buf.key not in self.mapped:
+            for i in range(len(self.socks)):
+                self._send(i, self.w.MAP.pack(b"M", buf.key, buf.nbytes), [buf.fd])
+            self.mapped.add(buf.key)
+
+    def open_files(self, handles: dict) -> dict:
+        """{name: key} of the open shards `handles` ({name: file}), handed to every process."""
+        keys = {name: next(_keys) for name in handles}
+        for i in range(len(self.socks)):
+            for name, f in handles.items():
+                self._send(i, self.w.KEY.pack(b"O", keys[name]), [f.fileno()])
+        return keys
+
+    def close_files(self, keys: dict) -> None:
+        for i in range(len(self.socks)):
+            for key in keys.values():
+                self._send(i, self.w.KEY.pack(b"C", key))
+
+    def submit(self, chunk: int, pieces: list[tuple]) -> None:
+        """Ask for `pieces` ((file key, offset, n, buffer key, at, what) each) of `chunk`."""
+        for j, (fkey, off, n, mkey, at, what) in enumerate(pieces):
+            i = j % len(self.socks)
+            req = next(self.req)
+            self._send(i, self.w.READ.pack(b"R", req, fkey, off, n, mkey, at))
+            self.pending[i].append((req, chunk, (n, what)))
+
+    def wait(self, chunk: int) -> list[tuple]:
+        """Wait for every piece asked for up to `chunk`; the failed ones: ((n, what), errno, got)."""
+        failed = []
+        for i, todo in enumerate(self.pending):
+            while todo and todo[0][1] <= chunk:
+                req, _, piece = todo.popleft()
+                try:
+                    answer = self.socks[i].recv(64)
+                except OSError as e:
+                    raise self._died(i, e) from None
+                if not answer:
+                    raise self._died(i)
+                _, got_req, err, got = self.w.ANSWER.unpack(answer)
+                if got_req != req:
+                    raise self._died(i, f"answered request {got_req}, expected {req}")
+                if err or got != piece[0]:
+                    failed.append((piece, err, got))
+        return failed
+
+    def drain(self) -> None:
+        """Wait for every read asked for (a failed reload's buffers must not be written later)."""
+        if not self.broken:
+            try:
+                self.wait(sys.maxsize)
+            except ReloadError:
+                pass
+
+    def close(self) -> None:
+        for s in self.socks:
+            s.close()
+        for p in self.procs:
+            try:
+                p.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+_pool: ReaderProcs | None = None
+_lock = threading.Lock()
+
+
+def pool() -> ReaderProcs | None:
+    """The process's reader processes (`READ_THREADS` of them), started on first use and again
+    after one stopped or in a forked child; None where they are not `supported`."""
+    global _pool
+    if not supported():
+        return None
+    with _lock:
+        if _pool is None or _pool.pid != os.getpid() or _pool.broken:
+            if _pool is not None and _pool.pid == os.getpid():
+                _pool.close()
+            _pool = ReaderProcs(max(1, READ_THREADS))
+        return _pool
+
+
+def forget(buf: SharedBuffer) -> None:
+    """`buf` is going (its ring was released or collected): unregistered now, unmapped by
+    the reader processes at their next use (this may run inside the collector, in a thread
+    that is using them)."""
+    buf.release()
+    if _pool is not None and _pool.pid == os.getpid():
+        _pool.dropped.append(buf.key)
+
+
+@atexit.register
+def _stop() -> None:
+    if _pool is not None and _pool.pid == os.getpid():
+        _pool.close()

@@ -1,0 +1,114 @@
+"""The ring's reader processes (`checkpoint.read_procs`): what a reload reads through them
+equals a fresh load, and what goes wrong on their side (a shard cut short under them, a
+process killed) fails the reload cleanly, restores the model, and leaves the next reload
+working. The thread readers, their fallback, are held to the same."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+import fp8_reload as fr
+from fp8_reload.checkpoint import read_procs
+from fp8_reload.checkpoint.staging import release_staging
+from fp8_reload.errors import CorruptCheckpointError, ReloadError
+from fp8_reload.reload import ring as ring_mod
+
+from .conftest import unchanged
+
+pytestmark = pytest.mark.skipif(not read_procs.supported(),
+                                reason="reader processes need Linux's memfd and descriptor passing")
+
+
+def _spy(monkeypatch, name: str) -> list:
+    calls, real = [], getattr(ring_mod, name)
+    monkeypatch.setattr(ring_mod, name, lambda *a: calls.append(a) or real(*a))
+    return calls
+
+
+def _same_as_fresh(model, path) -> list:
+    return fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model))
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_a_reload_read_by_processes_equals_a_fresh_load(ckpts, monkeypatch, kind):
+    used = _spy(monkeypatch, "_through_processes")
+    model = fr.load_model(ckpts[kind, 0])
+    fr.update_weights_from_disk(model, ckpts[kind, 1])
+    assert used and not _same_as_fresh(model, ckpts[kind, 1])
+    fr.update_weights_from_disk(model, ckpts[kind, 0], fr.generate_weight_name_filter({1: [0, 3]}))
+    fr.update_weights_from_disk(model, ckpts[kind, 0])
+    assert not _same_as_fresh(model, ckpts[kind, 0])
+    procs = read_procs.pool()
+    assert all(p.poll() is None for p in procs.procs) and not any(procs.pending)
+
+
+def test_threads_read_when_processes_are_off_or_busy(ckpts, monkeypatch):
+    threads = _spy(monkeypatch, "_through_threads")
+    model = fr.load_model(ckpts["fp8", 0])
+    procs = read_procs.pool()
+    with procs.busy:  # another ring of this process is using them
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert len(threads) == 1 and not _same_as_fresh(model, ckpts["fp8", 1])
+    monkeypatch.setattr(read_procs, "READERS", "threads")
+    release_staging(model)  # its ring was shared memory: the next one is not
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    assert len(threads) == 2 and not _same_as_fresh(model, ckpts["fp8", 0])
+
+
+def test_a_shard_cut_short_under_the_readers_fails_the_reload_and_restores(ckpts, tmp_path, monkeypatch):
+    import shutil
+
+    path = tmp_path / "ckpt"
+    shutil.copytree(ckpts["fp8", 1], path)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    real = ring_mod._through_processes
+
+    def cut_then_read(ckpt, chunks, *rest):
+        shard = ckpt.path / chunks[-1].file
+        os.truncate(shard, chunks[-1].spans[0][0] + 1)  # after the plan checked its size
+        return real(ckpt, chunks, *rest)
+
+    monkeypatch.setattr(ring_mod, "_through_processes", cut_then_read)
+    with pytest.raises(CorruptCheckpointError, match="truncated while reading"):
+        fr.update_weights_from_disk(model, path)
+    assert unchanged(model, before) == []
+    monkeypatch.setattr(ring_mod, "_through_processes", real)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # the readers still work
+    assert not _same_as_fresh(model, ckpts["fp8", 1])
+
+
+def test_a_reader_process_killed_mid_reload_fails_it_cleanly_and_new_ones_start(ckpts, monkeypatch):
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])  # the pool is up
+    before = fr.snapshot(model)
+    procs = read_procs.pool()
+    real = procs.wait
+
+    def kill_then_wait(chunk):
+        victim = procs.procs[0]
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+        return real(chunk)
+
+    monkeypatch.setattr(procs, "wait", kill_then_wait)
+    with pytest.raises(ReloadError, match="reader process .* stopped"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert unchanged(model, before) == [] and procs.broken
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert read_procs.pool() is not procs and not _same_as_fresh(model, ckpts["fp8", 1])
+
+
+def test_a_released_ring_is_unmapped_by_the_readers(ckpts):
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    key = ring_mod.ring_for(model, 1, pin=False).shared.key
+    procs = read_procs.pool()
+    assert key in procs.mapped
+    release_staging(model)
+    assert key in procs.dropped
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])  # the next use unmaps it
+    assert key not in procs.mapped and key not in procs.dropped
