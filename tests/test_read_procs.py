@@ -112,3 +112,38 @@ def test_a_released_ring_is_unmapped_by_the_readers(ckpts):
     assert key in procs.dropped
     fr.update_weights_from_disk(model, ckpts["fp8", 0])  # the next use unmaps it
     assert key not in procs.mapped and key not in procs.dropped
+
+
+def test_many_small_pieces_to_one_process_do_not_fill_its_socket(ckpts, monkeypatch):
+    """Thousands of reads asked of one process before any answer is read would fill both
+    directions of its socket (a hang): at most `MAX_IN_FLIGHT` stay unanswered."""
+    import fp8_reload.reload.chunks as chunks_mod
+
+    def hang(*_):
+        raise TimeoutError("the reload hung")
+
+    monkeypatch.setattr(chunks_mod, "PIECE_BYTES", 32)
+    monkeypatch.setattr(chunks_mod, "MIN_PIECE_BYTES", 32)
+    monkeypatch.setattr(read_procs, "MAX_IN_FLIGHT", 2)
+    used = _spy(monkeypatch, "_through_processes")
+    model = fr.load_model(ckpts["fp8", 0])
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(60)
+    try:
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert used and not _same_as_fresh(model, ckpts["fp8", 1])
+    assert all(len(todo) == 0 for todo in read_procs.pool().pending)
+
+
+def test_processes_that_cannot_start_leave_the_reads_to_threads(ckpts, monkeypatch, tmp_path):
+    monkeypatch.setattr(read_procs, "_pool", None)
+    monkeypatch.setattr(read_procs, "_failed", [])
+    monkeypatch.setattr(read_procs, "WORKER", tmp_path / "missing.py")  # python exits at once
+    threads = _spy(monkeypatch, "_through_threads")
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert threads and read_procs._failed and not read_procs.supported()
+    assert not _same_as_fresh(model, ckpts["fp8", 1])

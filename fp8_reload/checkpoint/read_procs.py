@@ -34,12 +34,16 @@ READERS = os.environ.get("FP8_RELOAD_READERS", "processes")
 if READERS not in ("processes", "threads"):
     raise ValueError(f"FP8_RELOAD_READERS must be processes or threads, not {READERS!r}")
 WORKER = Path(__file__).with_name("read_worker.py")
+# Reads asked of one process and not yet answered, at most: each message waits in a socket
+# buffer of finite size, and a process whose answers nobody reads stops reading requests.
+MAX_IN_FLIGHT = 64
 _keys = itertools.count(1)
+_failed: list[str] = []  # why the processes could not start here (then threads read)
 
 
 def supported() -> bool:
-    return (READERS == "processes" and sys.platform.startswith("linux") and hasattr(os, "memfd_create")
-            and hasattr(socket, "send_fds"))
+    return (READERS == "processes" and not _failed and sys.platform.startswith("linux")
+            and hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and bool(sys.executable))
 
 
 class SharedBuffer:
@@ -87,12 +91,18 @@ class ReaderProcs:
                                                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
             theirs.close()
             self.socks.append(ours)
-        self.pending = [collections.deque() for _ in range(n)]  # (req, chunk, piece) per process
+        # per process, in the order asked: [req, chunk, piece, answer or None]
+        self.pending: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.mapped: set[int] = set()
         self.req = itertools.count()
         self.broken = False
         self.busy = threading.Lock()  # one ring at a time: answers are matched in order
         self.dropped: list[int] = []  # buffers to unmap (`forget`)
+        for i in range(n):  # each one runs (else: OSError, and threads read instead)
+            req = next(self.req)
+            self._send(i, self.w.KEY.pack(b"P", req))
+            self.pending[i].append([req, -1, (0, "a check"), None])
+        self.wait(-1)
 
     def _send(self, i: int, msg: bytes, fds=()) -> None:
         try:
@@ -139,25 +149,34 @@ class ReaderProcs:
         """Ask for `pieces` ((file key, offset, n, buffer key, at, what) each) of `chunk`."""
         for j, (fkey, off, n, mkey, at, what) in enumerate(pieces):
             i = j % len(self.socks)
+            if sum(entry[3] is None for entry in self.pending[i]) >= MAX_IN_FLIGHT:
+                self._answer(i)
             req = next(self.req)
             self._send(i, self.w.READ.pack(b"R", req, fkey, off, n, mkey, at))
-            self.pending[i].append((req, chunk, (n, what)))
+            self.pending[i].append([req, chunk, (n, what), None])
+
+    def _answer(self, i: int) -> None:
+        """Receive process `i`'s next answer: its oldest request not answered yet."""
+        entry = next(e for e in self.pending[i] if e[3] is None)
+        try:
+            answer = self.socks[i].recv(64)
+        except OSError as e:
+            raise self._died(i, e) from None
+        if not answer:
+            raise self._died(i)
+        _, req, err, got = self.w.ANSWER.unpack(answer)
+        if req != entry[0]:
+            raise self._died(i, f"answered request {req}, expected {entry[0]}")
+        entry[3] = (err, got)
 
     def wait(self, chunk: int) -> list[tuple]:
         """Wait for every piece asked for up to `chunk`; the failed ones: ((n, what), errno, got)."""
         failed = []
         for i, todo in enumerate(self.pending):
             while todo and todo[0][1] <= chunk:
-                req, _, piece = todo.popleft()
-                try:
-                    answer = self.socks[i].recv(64)
-                except OSError as e:
-                    raise self._died(i, e) from None
-                if not answer:
-                    raise self._died(i)
-                _, got_req, err, got = self.w.ANSWER.unpack(answer)
-                if got_req != req:
-                    raise self._died(i, f"answered request {got_req}, expected {req}")
+                if todo[0][3] is None:
+                    self._answer(i)
+                _, _, piece, (err, got) = todo.popleft()
                 if err or got != piece[0]:
                     failed.append((piece, err, got))
         return failed
@@ -194,7 +213,12 @@ def pool() -> ReaderProcs | None:
         if _pool is None or _pool.pid != os.getpid() or _pool.broken:
             if _pool is not None and _pool.pid == os.getpid():
                 _pool.close()
-            _pool = ReaderProcs(max(1, READ_THREADS))
+            _pool = None
+            try:
+                _pool = ReaderProcs(max(1, READ_THREADS))
+            except (OSError, ReloadError) as e:  # no process could start or answer here
+                _failed.append(f"{type(e).__name__}: {e}")
+                return None
         return _pool
 
 
@@ -211,3 +235,17 @@ def forget(buf: SharedBuffer) -> None:
 def _stop() -> None:
     if _pool is not None and _pool.pid == os.getpid():
         _pool.close()
+
+
+def _in_child() -> None:
+    """A forked child closes its copies of the parent's sockets: else the parent's reader
+    processes would not see their sockets close when the parent is done with them."""
+    global _pool
+    if _pool is not None:
+        for s in _pool.socks:
+            s.close()
+    _pool = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_in_child)
