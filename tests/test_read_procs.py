@@ -102,16 +102,73 @@ def test_a_reader_process_killed_mid_reload_fails_it_cleanly_and_new_ones_start(
     assert read_procs.pool() is not procs and not _same_as_fresh(model, ckpts["fp8", 1])
 
 
-def test_a_released_ring_is_unmapped_by_the_readers(ckpts):
+def test_a_released_ring_is_unmapped_by_the_readers_at_once(ckpts):
     model = fr.load_model(ckpts["fp8", 0])
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
     key = ring_mod.ring_for(model, 1, pin=False).shared.key
     procs = read_procs.pool()
     assert key in procs.mapped
     release_staging(model)
-    assert key in procs.dropped
-    fr.update_weights_from_disk(model, ckpts["fp8", 0])  # the next use unmaps it
-    assert key not in procs.mapped and key not in procs.dropped
+    assert key not in procs.mapped and not procs.dropped
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    key = ring_mod.ring_for(model, 1, pin=False).shared.key
+    assert key in procs.mapped
+    with procs.busy:  # a ring streaming meanwhile (the collector may run inside it): later
+        release_staging(model)
+        assert key in procs.dropped and key in procs.mapped
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # the next use through them unmaps it
+    assert key not in procs.mapped and not procs.dropped
+
+
+@pytest.mark.parametrize("slots", [1, 2, 3])
+def test_any_ring_size_lands_the_right_bytes(ckpts, monkeypatch, slots):
+    """One slot: the next chunk may be read only once this one is landed (it was landed from
+    a slot still holding the chunk before it)."""
+    import fp8_reload.reload.chunks as chunks_mod
+
+    monkeypatch.setattr(chunks_mod, "RING_SLOTS", slots)
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)  # many chunks
+    used = _spy(monkeypatch, "_through_processes")
+    model = fr.load_model(ckpts["fp8", 0])
+    for seed in (1, 0, 1):
+        fr.update_weights_from_disk(model, ckpts["fp8", seed])
+        assert not _same_as_fresh(model, ckpts["fp8", seed])
+    assert used
+
+
+def test_a_forked_child_does_not_write_its_parents_ring(ckpts):
+    """Shared memory stays shared across fork: a child that reloads gets a ring of its own
+    (here the fork is told by the buffer's pid), and leaves the parent's registered."""
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    ring = ring_mod.ring_for(model, 1, pin=False)
+    parents = ring.shared
+    parents.pid = -1  # made by another process
+    mine = ring_mod.ring_for(model, 1, pin=False)
+    assert mine.shared is not None and mine.shared.key != parents.key and parents.fd >= 0
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    assert not _same_as_fresh(model, ckpts["fp8", 0])
+
+
+def test_closing_reaches_the_processes_while_a_forked_child_holds_the_sockets(ckpts):
+    procs = read_procs.ReaderProcs(2)
+    copies = [os.dup(s.fileno()) for s in procs.socks]  # what a forked child inherits
+    try:
+        procs.close()
+        assert all(p.wait(timeout=2) == 0 for p in procs.procs)
+    finally:
+        for fd in copies:
+            os.close(fd)
+
+
+def test_a_process_dead_between_reloads_is_replaced_before_the_next(ckpts):
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    procs = read_procs.pool()
+    procs.procs[-1].kill()
+    procs.procs[-1].wait()
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])  # no spurious failure
+    assert read_procs.pool() is not procs and not _same_as_fresh(model, ckpts["fp8", 0])
 
 
 def test_many_small_pieces_to_one_process_do_not_fill_its_socket(ckpts, monkeypatch):

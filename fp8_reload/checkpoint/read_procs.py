@@ -52,6 +52,7 @@ class SharedBuffer:
 
     def __init__(self, nbytes: int):
         self.key = next(_keys)
+        self.pid = os.getpid()  # a forked child must not write it (it is shared) nor unregister it
         self.nbytes = nbytes
         self.fd = os.memfd_create("fp8_reload-ring", os.MFD_CLOEXEC)
         os.ftruncate(self.fd, nbytes)
@@ -65,7 +66,7 @@ class SharedBuffer:
 
     def release(self) -> None:
         """Unregistered now; unmapped when the last view of it goes."""
-        if self.pinned:
+        if self.pinned and self.pid == os.getpid():
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         if self.fd >= 0:
@@ -119,14 +120,18 @@ class ReaderProcs:
         return ReloadError(f"reader process {self.procs[i].pid} stopped (exit status {code}"
                            f"{': ' + str(why) if why else ''}); the next reload starts new ones")
 
-    def attach(self, buf: SharedBuffer) -> None:
-        """Every process maps `buf` (and unmaps the buffers `forget` dropped since)."""
+    def unmap_dropped(self) -> None:
+        """Every process unmaps the buffers `forget` dropped (with `busy` held)."""
         while self.dropped:
             key = self.dropped.pop()
             if key in self.mapped:
                 for i in range(len(self.socks)):
                     self._send(i, self.w.KEY.pack(b"U", key))
                 self.mapped.discard(key)
+
+    def attach(self, buf: SharedBuffer) -> None:
+        """Every process maps `buf` (and unmaps the buffers dropped since)."""
+        self.unmap_dropped()
         if buf.key not in self.mapped:
             for i in range(len(self.socks)):
                 self._send(i, self.w.MAP.pack(b"M", buf.key, buf.nbytes), [buf.fd])
@@ -189,8 +194,15 @@ class ReaderProcs:
             except ReloadError:
                 pass
 
+    def alive(self) -> bool:
+        return not self.broken and all(p.poll() is None for p in self.procs)
+
     def close(self) -> None:
-        for s in self.socks:
+        for s in self.socks:  # shut down, not only closed: a forked child may hold a copy
+            try:
+                s.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             s.close()
         for p in self.procs:
             try:
@@ -210,7 +222,7 @@ def pool() -> ReaderProcs | None:
     if not supported():
         return None
     with _lock:
-        if _pool is None or _pool.pid != os.getpid() or _pool.broken:
+        if _pool is None or _pool.pid != os.getpid() or not _pool.alive():
             if _pool is not None and _pool.pid == os.getpid():
                 _pool.close()
             _pool = None
@@ -223,12 +235,21 @@ def pool() -> ReaderProcs | None:
 
 
 def forget(buf: SharedBuffer) -> None:
-    """`buf` is going (its ring was released or collected): unregistered now, unmapped by
-    the reader processes at their next use (this may run inside the collector, in a thread
-    that is using them)."""
+    """`buf` is going (its ring was released or collected): unregistered, and unmapped by the
+    reader processes now, or, while a ring streams through them (this may run inside the
+    collector, in that very thread), when it is done."""
     buf.release()
-    if _pool is not None and _pool.pid == os.getpid():
-        _pool.dropped.append(buf.key)
+    procs = _pool
+    if procs is not None and procs.pid == os.getpid():
+        procs.dropped.append(buf.key)
+        if procs.busy.acquire(blocking=False):
+            try:
+                if procs.alive():
+                    procs.unmap_dropped()
+            except ReloadError:
+                pass  # (a process gone: the next reload starts new ones)
+            finally:
+                procs.busy.release()
 
 
 @atexit.register

@@ -32,7 +32,10 @@ def serve(sock: socket.socket) -> None:
     maps: dict[int, tuple[mmap.mmap, memoryview]] = {}
     files: dict[int, int] = {}
     while True:
-        msg, fds, _, _ = socket.recv_fds(sock, 256, 2)
+        try:
+            msg, fds, _, _ = socket.recv_fds(sock, 256, 2)
+        except OSError:  # the parent went away mid-reload
+            return
         if not msg:
             return
         op = msg[:1]
@@ -48,19 +51,23 @@ def serve(sock: socket.socket) -> None:
             except OSError as e:
                 err = e.errno or -1
             view.release()
-            sock.send(ANSWER.pack(b"A", req, err, got))
+            try:
+                sock.send(ANSWER.pack(b"A", req, err, got))
+            except OSError:
+                return
         elif op == b"M":
             _, key, size = MAP.unpack(msg)
             mem = mmap.mmap(fds[0], size)
             os.close(fds[0])
             maps[key] = (mem, memoryview(mem))
         elif op == b"U":
-            mem, view = maps.pop(KEY.unpack(msg)[1])
-            view.release()
-            mem.close()
+            mem, view = maps.pop(KEY.unpack(msg)[1], (None, None))
+            if mem is not None:
+                view.release()
+                mem.close()
         elif op == b"O":
             files[KEY.unpack(msg)[1]] = fds[0]
-        elif op == b"C":
+        elif op == b"C" and KEY.unpack(msg)[1] in files:
             os.close(files.pop(KEY.unpack(msg)[1]))
         elif op == b"P":
             sock.send(ANSWER.pack(b"A", KEY.unpack(msg)[1], 0, 0))

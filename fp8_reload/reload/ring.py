@@ -13,6 +13,7 @@ alone. Otherwise, or while another ring of this process uses them, reader thread
 
 from __future__ import annotations
 
+import os
 import time
 import weakref
 from collections.abc import Callable
@@ -68,6 +69,9 @@ def ring_for(model, nbytes: int, pin: bool) -> Ring:
     """The model's reusable ring, grown to hold chunks of `nbytes`."""
     things = held(model)
     ring = things.get("ring")
+    inherited = ring is not None and ring.shared is not None and ring.shared.pid != os.getpid()
+    if inherited:  # a forked child: that memory is its parent's too (shared); it is left to it
+        ring.shared, ring.buffers = None, []
     if ring is None or not ring.fits(nbytes) or len(ring.buffers) != ch.RING_SLOTS:
         if ring is not None:
             ring.release()  # pinned memory is precious: the old one goes first
@@ -174,8 +178,9 @@ def _through_processes(ckpt, chunks, ring, land, stats, reading, handles, procs)
         procs.submit(k, [(keys[chunks[k].file], off, n, mkey, slot * size + at, f"bytes {off}..{off + n}")
                          for off, n, at in _pieces(chunks[k])])
 
+    asked = min(slots, len(chunks))
     try:
-        for k in range(min(slots, len(chunks))):
+        for k in range(asked):
             submit(k)
         if reading is not None:
             reading()
@@ -189,17 +194,18 @@ def _through_processes(ckpt, chunks, ring, land, stats, reading, handles, procs)
                 path = ckpt.path / chunk.file
                 raise read_failure(path, what, got, n, OSError(err, _strerror(err)) if err else None)
             _landed(ring, k, chunk, land, stats)
-            if k >= 1 and k - 1 + slots < len(chunks):
-                submit(k - 1 + slots)
+            # the next chunk whose slot's last copy was queued a chunk ago (one slot: this one)
+            while asked < len(chunks) and asked <= k + max(1, slots - 1):
+                submit(asked)
+                asked += 1
     finally:  # a failure: every read asked for finishes before the ring is used again
         procs.drain()
         if not procs.broken:
             procs.close_files(keys)
+            procs.unmap_dropped()  # rings collected meanwhile (`read_procs.forget`)
 
 
 def _strerror(err: int) -> str:
-    import os
-
     try:
         return os.strerror(err)
     except ValueError:
