@@ -162,8 +162,9 @@ def _through_threads(ckpt, chunks, ring, land, stats, reading, handles, _procs) 
 
 
 def _through_processes(ckpt, chunks, ring, land, stats, reading, handles, procs) -> None:
-    """The reader processes' way: chunk k + slots - 1 is asked for once chunk k is landed,
-    after the copy out of its slot (landed one chunk earlier) has run."""
+    """The reader processes' way: once chunk k is landed, chunk k + slots - 1 is asked for
+    (with one slot, k + 1), after the copy out of its slot has run: that copy was queued a
+    chunk earlier, so it has mostly run by then."""
     slots = len(ring.buffers)
     mkey, size = ring.shared.key, ring.buffers[0].numel()
     procs.attach(ring.shared)
