@@ -204,3 +204,71 @@ def test_processes_that_cannot_start_leave_the_reads_to_threads(ckpts, monkeypat
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert threads and read_procs._failed and not read_procs.supported()
     assert not _same_as_fresh(model, ckpts["fp8", 1])
+
+
+class _InterruptAtLastAnswer:
+    """A socket whose `recv` is interrupted (as by Ctrl-C) right after the last answer its
+    process owes came in: nothing more will ever arrive on it."""
+
+    def __init__(self, procs, i: int):
+        self.procs, self.i, self.sock = procs, i, procs.socks[i]
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+    def recv(self, n):
+        answer = self.sock.recv(n)
+        if sum(entry[3] is None for entry in self.procs.pending[self.i]) == 1:
+            raise KeyboardInterrupt
+        return answer
+
+
+def test_an_interrupt_inside_the_exchange_abandons_the_processes(ckpts, monkeypatch):
+    """Ctrl-C between receiving a process's last answer and recording it: waiting for that
+    answer again hung; broken out of, later answers were paired with the wrong reads (wrong
+    bytes, reported as a success). Now the processes are abandoned, the model restored, and
+    the next reloads are right."""
+    import fp8_reload.reload.chunks as chunks_mod
+
+    hung = []
+
+    def hang(*_):
+        hung.append(True)
+        raise TimeoutError("the reload hung")
+
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    procs = read_procs.pool()
+    procs.socks[0] = _InterruptAtLastAnswer(procs, 0)
+    previous = signal.signal(signal.SIGALRM, hang)
+    signal.alarm(10)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+    assert not hung and procs.broken and unchanged(model, before) == []
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], fr.generate_weight_name_filter({1: [0, 3], 2: [5]}))
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert read_procs.pool() is not procs and not _same_as_fresh(model, ckpts["fp8", 1])
+
+
+def test_release_staging_waits_for_a_reload_of_that_model_in_another_thread(ckpts):
+    """It emptied the ring under a running reload (failed reloads: `k % len(ring.buffers)`)."""
+    import threading
+    import time
+
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    done = []
+    with model.reload_lock:  # a reload of this model is running
+        worker = threading.Thread(target=lambda: (release_staging(model), done.append(time.monotonic())))
+        worker.start()
+        time.sleep(0.2)
+        assert not done
+        released_at = time.monotonic()
+    worker.join(5)
+    assert done and done[0] >= released_at

@@ -195,7 +195,16 @@ class ReaderProcs:
                 pass
 
     def alive(self) -> bool:
-        return not self.broken and all(p.poll() is None for p in self.procs)
+        """Usable: none broken or gone, and no answer owed from an earlier ring (an interrupt
+        between a send and its bookkeeping would pair later answers with the wrong reads)."""
+        return not self.broken and not any(self.pending) and all(p.poll() is None for p in self.procs)
+
+    def abandon(self) -> None:
+        """After an interrupt mid-protocol: no answer can be trusted to match its read. The
+        processes are closed (they exit before the shared ring is used again); the next
+        reload starts new ones."""
+        self.broken = True
+        self.close()
 
     def close(self) -> None:
         for s in self.socks:  # shut down, not only closed: a forked child may hold a copy

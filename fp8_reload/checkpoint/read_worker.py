@@ -18,6 +18,7 @@ It exits when the socket closes (the parent is gone or done with it).
 
 import mmap
 import os
+import signal
 import socket
 import struct
 import sys
@@ -70,8 +71,12 @@ def serve(sock: socket.socket) -> None:
         elif op == b"C" and KEY.unpack(msg)[1] in files:
             os.close(files.pop(KEY.unpack(msg)[1]))
         elif op == b"P":
-            sock.send(ANSWER.pack(b"A", KEY.unpack(msg)[1], 0, 0))
+            try:
+                sock.send(ANSWER.pack(b"A", KEY.unpack(msg)[1], 0, 0))
+            except OSError:
+                return
 
 
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it closes us
     serve(socket.socket(fileno=int(sys.argv[1])))

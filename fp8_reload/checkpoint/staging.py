@@ -12,6 +12,7 @@ steady-state reloads allocate nothing; `release_staging(model)` frees them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -103,9 +104,12 @@ def release_staging(model) -> None:
     memory, registered shards, device scratch, and where tensors land (views of the
     Parameters' memory, kept from `load_model` on: memory a Parameter was moved off
     stays allocated while they hold it), and the process's parsed shard headers (shared
-    by every model: theirs are parsed again). The next reload re-allocates and re-plans."""
-    for thing in held(model).values():
-        thing.release()
+    by every model: theirs are parsed again). The next reload re-allocates and re-plans.
+    Waits for a reload of `model` running in another thread (it uses them)."""
+    lock = getattr(model, "reload_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        for thing in held(model).values():
+            thing.release()
     forget_parsed()
 
 

@@ -164,11 +164,31 @@ def _through_threads(ckpt, chunks, ring, land, stats, reading, handles, _procs) 
 def _through_processes(ckpt, chunks, ring, land, stats, reading, handles, procs) -> None:
     """The reader processes' way: once chunk k is landed, chunk k + slots - 1 is asked for
     (with one slot, k + 1), after the copy out of its slot has run: that copy was queued a
-    chunk earlier, so it has mostly run by then."""
+    chunk earlier, so it has mostly run by then. An interrupt (KeyboardInterrupt, SystemExit)
+    anywhere in the exchange abandons the processes: no later answer could be trusted."""
+    keys: dict = {}
+    try:
+        procs.attach(ring.shared)
+        keys = procs.open_files(handles)
+        _ask_and_land(ckpt, chunks, ring, land, stats, reading, procs, keys)
+    except BaseException as e:
+        if not isinstance(e, Exception):
+            procs.abandon()
+        raise
+    finally:  # a failure: every read asked for finishes before the ring is used again
+        try:
+            procs.drain()
+            if not procs.broken:
+                procs.close_files(keys)
+                procs.unmap_dropped()  # rings collected meanwhile (`read_procs.forget`)
+        except BaseException:
+            procs.abandon()
+            raise
+
+
+def _ask_and_land(ckpt, chunks, ring, land, stats, reading, procs, keys: dict) -> None:
     slots = len(ring.buffers)
     mkey, size = ring.shared.key, ring.buffers[0].numel()
-    procs.attach(ring.shared)
-    keys = procs.open_files(handles)
 
     def submit(k: int) -> None:
         slot = k % slots
@@ -180,30 +200,24 @@ def _through_processes(ckpt, chunks, ring, land, stats, reading, handles, procs)
                          for off, n, at in _pieces(chunks[k])])
 
     asked = min(slots, len(chunks))
-    try:
-        for k in range(asked):
-            submit(k)
-        if reading is not None:
-            reading()
-        for k, chunk in enumerate(chunks):
-            with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
-                t0 = time.perf_counter()
-                failed = procs.wait(k)
-                stats["read_wait"] = stats.get("read_wait", 0.0) + time.perf_counter() - t0
-            if failed:
-                (n, what), err, got = failed[0]
-                path = ckpt.path / chunk.file
-                raise read_failure(path, what, got, n, OSError(err, _strerror(err)) if err else None)
-            _landed(ring, k, chunk, land, stats)
-            # the next chunk whose slot's last copy was queued a chunk ago (one slot: this one)
-            while asked < len(chunks) and asked <= k + max(1, slots - 1):
-                submit(asked)
-                asked += 1
-    finally:  # a failure: every read asked for finishes before the ring is used again
-        procs.drain()
-        if not procs.broken:
-            procs.close_files(keys)
-            procs.unmap_dropped()  # rings collected meanwhile (`read_procs.forget`)
+    for k in range(asked):
+        submit(k)
+    if reading is not None:
+        reading()
+    for k, chunk in enumerate(chunks):
+        with trace.range("fp8_reload/chunk_read", payload=chunk.nbytes):
+            t0 = time.perf_counter()
+            failed = procs.wait(k)
+            stats["read_wait"] = stats.get("read_wait", 0.0) + time.perf_counter() - t0
+        if failed:
+            (n, what), err, got = failed[0]
+            path = ckpt.path / chunk.file
+            raise read_failure(path, what, got, n, OSError(err, _strerror(err)) if err else None)
+        _landed(ring, k, chunk, land, stats)
+        # the next chunk whose slot's last copy was queued a chunk ago (one slot: this one)
+        while asked < len(chunks) and asked <= k + max(1, slots - 1):
+            submit(asked)
+            asked += 1
 
 
 def _strerror(err: int) -> str:
