@@ -140,7 +140,7 @@ class Backup:
 
     def queue_all(self) -> None:
         """Queue every copy now, the writes still waiting for their own piece only: while the
-        ring's first reads run, not between its chunks, where the reader threads make each
+        ring's first reads run, not between its chunks, where reader threads make each
         queued copy cost several times more host time."""
         if self.on_demand and not self.started:
             self.start()

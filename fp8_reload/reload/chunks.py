@@ -33,7 +33,7 @@ MIN_PIECE_BYTES = 1 << 20
 
 
 def piece_bytes(nbytes: int) -> int:
-    """Pieces of a chunk of `nbytes`: every reader thread takes one. A filtered reload's
+    """Pieces of a chunk of `nbytes`: every reader takes one. A filtered reload's
     chunks are an expert each (~8 MiB at v2-lite size): in `PIECE_BYTES` pieces one or
     two threads read each, and its reads took 3x the page cache's time."""
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, -(-nbytes // max(1, READ_THREADS))))

@@ -196,9 +196,9 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
             copy_async(dslot[at:at + n], buf[off:off + n], h2d)
     else:
         copy_async(dslot, buf[:chunk.extent], h2d)
-    # reader threads wait on it before refilling `buf` (`ring.stream_through_ring`): a
-    # blocking event sleeps there; a default one spins a core per waiting reader, which the
-    # readers still copying and the thread queueing the chunks are short of
+    # waited on before `buf` is refilled (`ring.stream_through_ring`: by reader threads, or by
+    # this thread before it asks reader processes for the next chunk there): a blocking event
+    # sleeps; a default one spins a core per waiter, which the readers still copying are short of
     landed = torch.cuda.Event(blocking=True)
     landed.record(h2d)
     place.wait_event(landed)

@@ -76,7 +76,7 @@ def on_triton_device(model) -> bool:
 class ReloadReport:
     """What one load or reload did. `seconds` holds per-phase wall times, and "read_wait"
     (within "load") when files were read through the ring: the time the commit waited for
-    the reader threads (when it is most of "load", the reads are the limit)."""
+    the readers (when it is most of "load", the reads are the limit)."""
 
     mode: str
     full: bool
@@ -279,7 +279,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     report.tensors_loaded = len(names) if streaming else len(staged)
     report.bytes_read = stats.get("bytes_read", 0)
     report.files_opened = stats.get("files_opened", 0)
-    if "read_wait" in stats:  # (part of "load": the commit waiting for the reader threads)
+    if "read_wait" in stats:  # (part of "load": the commit waiting for the readers)
         report.seconds["read_wait"] = stats["read_wait"]
     if "experts" not in memo:
         memo["experts"] = experts_by_layer(names if streaming else (n for n, _ in staged))
