@@ -1,0 +1,185 @@
+"""Where a one-expert post-processing spends its time on this host (issue 14's <= 30 us).
+
+    python3 gpu/launch_probe.py
+
+1. Floors: an idle synchronize; a tiny torch op then a synchronize; an empty Triton kernel
+   through Triton's launcher and through its compiled kernel's `run` (no binder), each
+   synchronized per call and back to back (host time per launch).
+2. One reloaded expert of a v2-lite:2 layer, fp8 and bf16, through the asv fixture
+   (`UnprocessedLayer`): per call to the synchronize (what asv times), back to back, and
+   back to back with the kernel launches stubbed out (the Python around them), then the
+   top of a cProfile of the back-to-back calls.
+3. The bf16 whole layer the same way.
+4. A grid-wide barrier inside one cooperative Triton launch (one program per SM): its cost
+   per crossing, what a one-launch quantization pays per expert.
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import os
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "gpu"))
+os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
+
+from process_probe import back_to_back, per_call  # noqa: E402
+
+import fp8_reload as fr  # noqa: E402
+from benchmarks.common import UnprocessedLayer  # noqa: E402
+from fp8_reload.kernels.triton.runtime import tl, triton  # noqa: E402
+from fp8_reload.processing import ops  # noqa: E402
+
+
+def synced_us(fn, n=500) -> float:
+    times = []
+    for _ in range(n):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def b2b_us(fn, n=2000) -> float:
+    for _ in range(20):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    us = (time.perf_counter() - t0) / n * 1e6
+    torch.cuda.synchronize()
+    return us
+
+
+@triton.jit
+def _nop(x_ptr, n, BLOCK: tl.constexpr):
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n), mask=i < n)
+
+
+def floors() -> None:
+    x = torch.zeros(1024, device="cuda")
+    compiled = _nop[(1,)](x, 1024, BLOCK=1024)
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def raw():
+        compiled.run(1, 1, 1, stream, compiled.function, compiled.packed_metadata, None, None, None,
+                     x, 1024, 1024)
+
+    for name, fn in (("idle synchronize", lambda: None), ("torch x.add_(0)", lambda: x.add_(0)),
+                     ("triton launcher", lambda: _nop[(1,)](x, 1024, BLOCK=1024)),
+                     ("compiled.run", raw)):
+        print(f"[floor] {name}: {synced_us(fn):.1f} us to the sync, {b2b_us(fn):.1f} us host back to back",
+              flush=True)
+
+
+class _NoLaunch:
+    @staticmethod
+    def requantize_w13_(*a, **k):
+        pass
+
+    @staticmethod
+    def quantize_experts_(*a, **k):
+        pass
+
+
+def stubbed_b2b(state) -> float:
+    real = ops._requant
+    ops._requant = lambda: _NoLaunch
+    try:
+        return back_to_back(state)
+    finally:
+        ops._requant = real
+
+
+def profile_top(state, n=300, top=18) -> str:
+    layer = state.layer
+    state.restore()
+    staged = {s: dict(p) for s, p in getattr(layer, "staged", {}).items()}
+    loaded = set(layer.loaded_experts)
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(n):
+        layer.loaded_experts = set(loaded)
+        if staged:
+            layer.staged = {s: dict(p) for s, p in staged.items()}
+        state.process()
+    prof.disable()
+    torch.cuda.synchronize()
+    state.restore()
+    out = io.StringIO()
+    pstats.Stats(prof, stream=out).sort_stats("tottime").print_stats(top)
+    return out.getvalue()
+
+
+def processing(root: Path) -> None:
+    cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
+    for kind in ("fp8", "bf16"):
+        path = str(fr.write_checkpoint(root / kind, cfg, kind=kind, progress=False, fill="fast"))
+        for scope in ("one", "all") if kind == "bf16" else ("one",):
+            state = UnprocessedLayer.get(path, "fixed", scope)
+            host, dev = per_call(state)
+            b2b, py = back_to_back(state), stubbed_b2b(state)
+            print(f"[process] {kind} {scope}: {host:.1f} us to the sync (events {dev:.1f} us); back to back "
+                  f"{b2b:.1f} us host per call, {py:.1f} us of it with no launch", flush=True)
+            print(profile_top(state), flush=True)
+        UnprocessedLayer._cache.clear()
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _barriers(count_ptr, gen_ptr, n_barriers):
+    n = tl.num_programs(0)
+    for _ in range(n_barriers):
+        gen = tl.atomic_add(gen_ptr, 0, sem="relaxed")
+        tl.debug_barrier()
+        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
+        if ticket == n - 1:
+            tl.atomic_xchg(count_ptr, 0, sem="relaxed")
+            tl.atomic_add(gen_ptr, 1, sem="release")
+        else:
+            while tl.atomic_add(gen_ptr, 0, sem="acquire") == gen:
+                pass
+        tl.debug_barrier()
+
+
+def grid_barrier() -> None:
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    count = torch.zeros(1, dtype=torch.int32, device="cuda")
+    gen = torch.zeros(1, dtype=torch.int32, device="cuda")
+    for n_bar in (1, 1000):
+        _barriers[(sms,)](count, gen, n_bar, launch_cooperative_grid=True)
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        _barriers[(sms,)](count, gen, n_bar, launch_cooperative_grid=True)
+        b.record()
+        torch.cuda.synchronize()
+        print(f"[barrier] {sms} programs, {n_bar} barriers: {a.elapsed_time(b) * 1e3:.1f} us "
+              f"({a.elapsed_time(b) * 1e3 / n_bar:.2f} us each); generation {gen.item()}", flush=True)
+
+
+def main() -> None:
+    print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
+          "triton", triton.__version__, flush=True)
+    floors()
+    grid_barrier()
+    with tempfile.TemporaryDirectory() as tmp:
+        processing(Path(tmp))
+
+
+if __name__ == "__main__":
+    main()
