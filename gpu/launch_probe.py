@@ -172,11 +172,51 @@ def grid_barrier() -> None:
               f"({a.elapsed_time(b) * 1e3 / n_bar:.2f} us each); generation {gen.item()}", flush=True)
 
 
+def quant_shapes() -> None:
+    """The bf16 quantization kernel of one v2-lite layer (64 experts, pieces on the device)
+    under each (programs per SM, block, warps): device time of 20 launches back to back,
+    and the bytes memory must move (each bf16 byte read once, each FP8 byte written) over it."""
+    from fp8_reload.kernels.triton import requant
+
+    inter, hidden, e = 1408, 2048, 64
+    numel = inter * hidden
+    w13 = torch.empty(e, 2 * inter, hidden, dtype=torch.float8_e4m3fn, device="cuda")
+    w2 = torch.empty(e, hidden, inter, dtype=torch.float8_e4m3fn, device="cuda")
+    s13, s2 = torch.ones(e, 2, device="cuda"), torch.ones(e, device="cuda")
+    src = torch.randn(e, 3, numel, device="cuda").to(torch.bfloat16)
+    row = ops.expert_rows(w13, s13, w2, s2)
+    for k in (1, 64):
+        rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
+        moved = k * numel * 3 * 3
+        for per_sm, block, warps in ((1, 8192, 8), (2, 8192, 8), (2, 4096, 4), (2, 16384, 8), (4, 4096, 4),
+                                     (4, 8192, 8), (1, 16384, 16)):
+            requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
+            requant._programs.cache_clear()
+            try:
+                requant.quantize_experts_(w13.device, numel, 2, rows)
+                torch.cuda.synchronize()
+            except Exception as exc:  # a shape the device cannot hold resident at once
+                print(f"[quant] k={k} {per_sm}/SM block {block} warps {warps}: {type(exc).__name__}: {exc}")
+                continue
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            for _ in range(20):
+                requant.quantize_experts_(w13.device, numel, 2, rows)
+            b.record()
+            torch.cuda.synchronize()
+            us = a.elapsed_time(b) * 1e3 / 20
+            print(f"[quant] k={k} {per_sm}/SM block {block} warps {warps}: {us:.1f} us, "
+                  f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
+    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
+    requant._programs.cache_clear()
+
+
 def main() -> None:
     print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
           "triton", triton.__version__, flush=True)
     floors()
     grid_barrier()
+    quant_shapes()
     with tempfile.TemporaryDirectory() as tmp:
         processing(Path(tmp))
 

@@ -167,27 +167,31 @@ def fp8_expert_layout(w13, w13_scale, w2, w2_scale) -> bool:
             and w2_scale.is_contiguous())
 
 
-def expert_row(w13, w13_scale, w2, w2_scale, slot: int, sources: tuple[int, int, int]) -> tuple[int, ...]:
-    """Slot `slot`'s row for the Triton `quantize_experts_`: the addresses of its bf16 gate,
-    up and down (`sources`), then of its FP8 w13 and w2 rows and its two scales (a layer
-    of `fp8_expert_layout`)."""
-    return (*sources, w13.data_ptr() + slot * w13.stride(0), w2.data_ptr() + slot * w2.stride(0),
-            w13_scale.data_ptr() + 4 * slot * w13_scale.stride(0),
-            w2_scale.data_ptr() + 4 * slot * w2_scale.stride(0))
+def expert_rows(w13, w13_scale, w2, w2_scale):
+    """``row(slot, sources)``: slot `slot`'s row for the Triton `quantize_experts_`, the
+    addresses of its bf16 gate, up and down (`sources`), then of its FP8 w13 and w2 rows and
+    its two scales (a layer of `fp8_expert_layout`; the layer's addresses read once)."""
+    b13, st13, b2, st2 = w13.data_ptr(), w13.stride(0), w2.data_ptr(), w2.stride(0)
+    c13, cst13 = w13_scale.data_ptr(), 4 * w13_scale.stride(0)
+    c2, cst2 = w2_scale.data_ptr(), 4 * w2_scale.stride(0)
+    return lambda slot, src: (*src, b13 + slot * st13, b2 + slot * st2, c13 + slot * cst13, c2 + slot * cst2)
 
 
 def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: list[int]) -> None:
-    """Two launches per chunk of experts, each expert a row of addresses computed from the
+    """One launch per chunk of experts, each expert a row of addresses computed from the
     layout (a view per piece costs more host time than one expert's kernels take). Pieces
-    on the device are read where they are; others are copied over a chunk at a time."""
+    on the device are read where they are; others are copied over a chunk at a time.
+    Every piece is checked before anything is written."""
     numel = w13.shape[1] // 2 * w13.shape[2]
     dev = w13.get_device()
     on_device = True
+    bf16 = torch.bfloat16
     for s in slots:
         for t in staged[s].values():
-            if t.numel() != numel or t.dtype != torch.bfloat16 or not t.is_contiguous():
+            if t.dtype is not bf16 or t.numel() != numel or not t.is_contiguous():
                 raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size or dtype")
             on_device = on_device and t.get_device() == dev
+    row = expert_rows(w13, w13_scale, w2, w2_scale)
     cols = w13_scale.numel() // w13_scale.shape[0]
     step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
     for i in range(0, len(slots), step):
@@ -197,8 +201,7 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
             if not on_device:  # kept (`copies`) until the kernels are queued behind them
                 p = {n: t.to(w13.device, non_blocking=True) for n, t in p.items()}
                 copies.append(p)
-            rows.append(expert_row(w13, w13_scale, w2, w2_scale, s,
-                                   (p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr())))
+            rows.append(row(s, (p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr())))
         _requant().quantize_experts_(w13.device, numel, cols, rows)
 
 

@@ -36,7 +36,7 @@ from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
-from ..processing.ops import expert_row, fp8_expert_layout, on_triton
+from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from .chunks import Chunk, invalid_value, make_chunks
 from .ring import ring_for, stream_through_ring
 from .targets import Target
@@ -141,8 +141,8 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
 
 
 def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
-    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (two
-    launches per layer shape, each expert a row of addresses); with `checks`, their values'
+    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (one
+    launch per layer shape, each expert a row of addresses); with `checks`, their values'
     flags are appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_experts_  # needs triton: imported on use
 
@@ -165,8 +165,8 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
                              "weights of another size, dtype or layout")
         rows = rows_of.setdefault((numel, s13.numel() // s13.shape[0]), [])
         src3 = (views["w1"].data_ptr(), views["w3"].data_ptr(), views["w2"].data_ptr())
-        for slot in next(iter(shards.values())).slots:
-            rows.append(expert_row(w13, s13, w2, s2, slot, src3))
+        row = expert_rows(w13, s13, w2, s2)
+        rows += [row(slot, src3) for slot in next(iter(shards.values())).slots]
     if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
         checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
     for (numel, cols), rows in rows_of.items():
