@@ -188,15 +188,18 @@ def quant_shapes() -> None:
     for k in (1, 64):
         rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
         moved = k * numel * 3 * 3
-        for per_sm, block, warps in ((1, 8192, 8), (2, 8192, 8), (2, 4096, 4), (2, 16384, 8), (4, 4096, 4),
-                                     (4, 8192, 8), (1, 16384, 16)):
+        for ahead, per_sm, block, warps in ((True, 2, 8192, 8), (False, 1, 8192, 8), (False, 2, 8192, 8),
+                                            (False, 2, 4096, 4), (False, 4, 4096, 4), (False, 1, 16384, 16),
+                                            (False, 2, 4096, 8), (False, 3, 4096, 4)):
             requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
+            requant.QUANT_AHEAD = ahead
             requant._programs.cache_clear()
             try:
                 requant.quantize_experts_(w13.device, numel, 2, rows)
                 torch.cuda.synchronize()
             except Exception as exc:  # a shape the device cannot hold resident at once
-                print(f"[quant] k={k} {per_sm}/SM block {block} warps {warps}: {type(exc).__name__}: {exc}")
+                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM block {block} warps {warps}: "
+                      f"{type(exc).__name__}: {exc}")
                 continue
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -205,9 +208,9 @@ def quant_shapes() -> None:
             b.record()
             torch.cuda.synchronize()
             us = a.elapsed_time(b) * 1e3 / 20
-            print(f"[quant] k={k} {per_sm}/SM block {block} warps {warps}: {us:.1f} us, "
+            print(f"[quant] k={k} ahead={ahead} {per_sm}/SM block {block} warps {warps}: {us:.1f} us, "
                   f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
-    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
+    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS, requant.QUANT_AHEAD = 2, 8192, 8, False
     requant._programs.cache_clear()
 
 

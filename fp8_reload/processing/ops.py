@@ -193,7 +193,8 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
             on_device = on_device and t.get_device() == dev
     row = expert_rows(w13, w13_scale, w2, w2_scale)
     cols = w13_scale.numel() // w13_scale.shape[0]
-    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    # on the device: a launch per 16 experts, the first queued while the rest are listed
+    step = 16 if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
     for i in range(0, len(slots), step):
         rows, copies = [], []
         for s in slots[i:i + step]:

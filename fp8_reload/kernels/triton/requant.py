@@ -198,18 +198,25 @@ def _quantize_experts_kernel(table_ptr, a0: tl.int64, a1: tl.int64, a2: tl.int64
                              a4: tl.int64, a5: tl.int64, a6: tl.int64, k, sync_ptr, partial_ptr, inv_fp8_max,
                              min_scale, NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr,
                              BLOCK: tl.constexpr, PBLOCK: tl.constexpr, EXACT: tl.constexpr,
-                             ALIGNED: tl.constexpr):
+                             ALIGNED: tl.constexpr, AHEAD: tl.constexpr):
     """Every program (all resident at once: a cooperative launch) works on every expert, in
     order: its blocks' maxima, a grid-wide barrier, then those blocks quantized with the
-    expert's scales. The maxima of expert i + 1 are taken before waiting at barrier i, so
-    a program rarely waits; buffers and counters rotate over four experts (a program
-    cannot be four experts ahead of another). The last program out resets the counters
-    for the next launch on this stream."""
-    _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, 0, sync_ptr, partial_ptr, NUMEL, ONE, BLOCK, ALIGNED)
+    expert's scales. AHEAD: the maxima of expert i + 1 are taken before waiting at barrier
+    i (no wait, but expert i's bytes may have left L2 by the time they are read again).
+    Buffers and counters rotate over four experts (a program cannot be four experts ahead
+    of another). The last program out resets the counters for the next launch on this
+    stream."""
+    if AHEAD:
+        _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, 0, sync_ptr, partial_ptr, NUMEL, ONE, BLOCK,
+                     ALIGNED)
     for i in range(k):
-        if i + 1 < k:
-            _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i + 1, sync_ptr, partial_ptr, NUMEL, ONE,
-                         BLOCK, ALIGNED)
+        if AHEAD:
+            if i + 1 < k:
+                _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i + 1, sync_ptr, partial_ptr, NUMEL, ONE,
+                             BLOCK, ALIGNED)
+        else:
+            _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL, ONE, BLOCK,
+                         ALIGNED)
         _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, inv_fp8_max, min_scale,
                       NUMEL, COLS13, ONE, BLOCK, PBLOCK, EXACT, ALIGNED)
     tl.debug_barrier()
@@ -290,6 +297,7 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
 QUANT_BLOCK = 8192  # elements per step of the quantization's programs
 PROGRAMS_PER_SM = 2  # resident at once (a cooperative launch): enough loads in flight
 QUANT_WARPS = 8
+QUANT_AHEAD = False
 _QUANTIZE = Launcher(_quantize_experts_kernel)
 _SYNC: dict = {}  # (device, stream) -> (counters, maxima): launches on one stream run in turn
 
@@ -302,7 +310,8 @@ def _programs(device_index: int) -> int:
 def _scratch(device, programs: int):
     """The barrier counters (zero between launches) and the per-program maxima of this
     device and stream (a launch on another stream gets its own)."""
-    key = (device, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0, programs)
+    stream = torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    key = (device, stream, programs)
     entry = _SYNC.get(key)
     if entry is None:
         entry = _SYNC[key] = (torch.zeros(5, dtype=torch.int32, device=device),
@@ -327,19 +336,20 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     if k == 0:
         return
     device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     one = k == 1
     args = rows[0] if one else (0,) * 7
     table = None if one else device_ints([a for row in rows for a in row], device)
-    programs = 1 if INTERPRET else min(_programs(device.index if device.index is not None else
-                                                 torch.cuda.current_device()), 3 * cdiv(numel, QUANT_BLOCK))
+    programs = 1 if INTERPRET else min(_programs(device.index), 3 * cdiv(numel, QUANT_BLOCK))
     sync, partial = _scratch(device, programs)
     # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
     # checkpoint may not: then every element moves on its own
     aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
     pblock = next_pow2(programs)
-    _QUANTIZE((programs,), (numel, cols13, one, aligned, pblock, QUANT_BLOCK, QUANT_WARPS),
+    _QUANTIZE((programs,), (numel, cols13, one, aligned, pblock, QUANT_BLOCK, QUANT_WARPS, QUANT_AHEAD),
               partial if one else table, *args, k, sync, partial, INV_FP8_MAX, MIN_SCALE,
-              numel, cols13, one, QUANT_BLOCK, pblock, EXACT, aligned,
+              numel, cols13, one, QUANT_BLOCK, pblock, EXACT, aligned, QUANT_AHEAD,
               num_warps=QUANT_WARPS, launch_cooperative_grid=True)
 
 

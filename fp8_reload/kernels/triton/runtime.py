@@ -117,7 +117,9 @@ class Launcher:
 def device_ints(values, device) -> torch.Tensor:
     """Small host integers (a list, or an int64 tensor) as a device tensor without waiting
     for the device: the copy leaves from pinned memory, which torch keeps until it ran."""
-    host = values if isinstance(values, torch.Tensor) else torch.tensor(list(values), dtype=torch.int64)
-    if torch.device(device).type != "cuda":
-        return host
-    return host.pin_memory().to(device, non_blocking=True)
+    cuda = torch.device(device).type == "cuda"
+    if isinstance(values, torch.Tensor):
+        host = values.pin_memory() if cuda else values
+    else:  # straight into pinned memory: one host copy of the list, not two
+        host = torch.tensor(list(values), dtype=torch.int64, pin_memory=cuda)
+    return host.to(device, non_blocking=True) if cuda else host
