@@ -129,7 +129,7 @@ def processing(root: Path) -> None:
     cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
     for kind in ("fp8", "bf16"):
         path = str(fr.write_checkpoint(root / kind, cfg, kind=kind, progress=False, fill="fast"))
-        for scope in ("one", "all") if kind == "bf16" else ("one",):
+        for scope in ("one", "all"):
             state = UnprocessedLayer.get(path, "fixed", scope)
             host, dev = per_call(state)
             b2b, py = back_to_back(state), stubbed_b2b(state)
@@ -188,17 +188,18 @@ def quant_shapes() -> None:
     for k in (1, 64):
         rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
         moved = k * numel * 3 * 3
-        for ahead, per_sm, block, warps in ((True, 2, 8192, 8), (False, 1, 8192, 8), (False, 2, 8192, 8),
-                                            (False, 2, 4096, 4), (False, 4, 4096, 4), (False, 1, 16384, 16),
-                                            (False, 2, 4096, 8), (False, 3, 4096, 4)):
+        for ahead, rows_at_once, per_sm, block, warps in (
+                (True, 1, 2, 8192, 8), (False, 1, 2, 8192, 8), (False, 2, 2, 8192, 8),
+                (False, 4, 2, 4096, 8), (False, 2, 1, 8192, 16), (False, 4, 1, 8192, 16),
+                (False, 2, 2, 4096, 4), (True, 2, 2, 8192, 8), (False, 8, 1, 4096, 16)):
             requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
-            requant.QUANT_AHEAD = ahead
+            requant.QUANT_AHEAD, requant.QUANT_ROWS = ahead, rows_at_once
             requant._programs.cache_clear()
             try:
                 requant.quantize_experts_(w13.device, numel, 2, rows)
                 torch.cuda.synchronize()
             except Exception as exc:  # a shape the device cannot hold resident at once
-                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM block {block} warps {warps}: "
+                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM {rows_at_once}x{block} warps {warps}: "
                       f"{type(exc).__name__}: {exc}")
                 continue
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -208,9 +209,11 @@ def quant_shapes() -> None:
             b.record()
             torch.cuda.synchronize()
             us = a.elapsed_time(b) * 1e3 / 20
-            print(f"[quant] k={k} ahead={ahead} {per_sm}/SM block {block} warps {warps}: {us:.1f} us, "
+            shape = f"ahead={ahead} {per_sm}/SM {rows_at_once}x{block} warps {warps}"
+            print(f"[quant] k={k} {shape}: {us:.1f} us, "
                   f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
-    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS, requant.QUANT_AHEAD = 2, 8192, 8, False
+    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
+    requant.QUANT_AHEAD, requant.QUANT_ROWS = False, 2
     requant._programs.cache_clear()
 
 
