@@ -188,18 +188,18 @@ def quant_shapes() -> None:
     for k in (1, 64):
         rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
         moved = k * numel * 3 * 3
-        for ahead, rows_at_once, per_sm, block, warps in (
-                (True, 1, 2, 8192, 8), (False, 1, 2, 8192, 8), (False, 2, 2, 8192, 8),
-                (False, 4, 2, 4096, 8), (False, 2, 1, 8192, 16), (False, 4, 1, 8192, 16),
-                (False, 2, 2, 4096, 4), (True, 2, 2, 8192, 8), (False, 8, 1, 4096, 16)):
+        for ahead, stages, per_sm, block, warps in (
+                (False, 1, 2, 8192, 8), (True, 1, 2, 8192, 8), (False, 2, 2, 8192, 8),
+                (False, 3, 2, 8192, 8), (False, 3, 1, 8192, 8), (False, 4, 1, 8192, 8),
+                (False, 4, 2, 4096, 4), (False, 2, 4, 4096, 4), (True, 3, 2, 8192, 8)):
             requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
-            requant.QUANT_AHEAD, requant.QUANT_ROWS = ahead, rows_at_once
+            requant.QUANT_AHEAD, requant.QUANT_STAGES = ahead, stages
             requant._programs.cache_clear()
             try:
                 requant.quantize_experts_(w13.device, numel, 2, rows)
                 torch.cuda.synchronize()
-            except Exception as exc:  # a shape the device cannot hold resident at once
-                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM {rows_at_once}x{block} warps {warps}: "
+            except Exception as exc:  # a shape that does not compile
+                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM {stages} stages of {block} warps {warps}: "
                       f"{type(exc).__name__}: {exc}")
                 continue
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -209,11 +209,14 @@ def quant_shapes() -> None:
             b.record()
             torch.cuda.synchronize()
             us = a.elapsed_time(b) * 1e3 / 20
-            shape = f"ahead={ahead} {per_sm}/SM {rows_at_once}x{block} warps {warps}"
+            shape = f"ahead={ahead} {per_sm}/SM {stages} stages of {block} warps {warps}"
+            if requant._FEWER:  # the device refused that many programs resident at once
+                shape += f" (fewer programs: {sorted(set(requant._FEWER.values()))})"
+                requant._FEWER.clear()
             print(f"[quant] k={k} {shape}: {us:.1f} us, "
                   f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
     requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
-    requant.QUANT_AHEAD, requant.QUANT_ROWS = False, 2
+    requant.QUANT_AHEAD, requant.QUANT_STAGES = False, 1
     requant._programs.cache_clear()
 
 

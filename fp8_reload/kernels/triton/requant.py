@@ -19,7 +19,7 @@ Triton's launcher on an H200 host), and the host work around it is cached per la
   addresses as arguments; more go through one small host-to-device table.
 
 Bit for bit what the torch path (`processing.ops`) computes: the same float32 operations
-in the same order, IEEE-rounded division (`tl.fdiv(..., ieee_rounding=True)`) where torch
+in the same order, IEEE-rounded division (`tl.math.div_rn`) where torch
 divides two tensors, and round-to-nearest-even e4m3 conversion.
 """
 
@@ -64,7 +64,7 @@ def _requant_w13_kernel(w_ptr, scale_ptr, experts_ptr, first, k, ticket_ptr, a13
     h = tl.where(s0 != m, 0, 1)  # at most one half is below the max
     s = tl.where(h == 0, s0, s1)
     if s != m:  # a half already at the expert's max keeps every byte
-        ratio = tl.fdiv(s, m, ieee_rounding=True)
+        ratio = tl.math.div_rn(s, m)
         base = w_ptr + e * (2 * HALF) + h * HALF
         for it in range(ITERS):
             offs = (tl.program_id(1) * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -151,14 +151,15 @@ def _blocks(b0, n_prog, nb, NUMEL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.c
 
 @triton.jit
 def _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL: tl.constexpr,
-                 ONE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
+                 ONE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                 ALIGNED: tl.constexpr):
     """This program's maxima of |x| over its blocks of expert i's gate + up and of its down,
     into its slot of buffer ``i % 4``, then its arrival at barrier i."""
     n_prog = tl.num_programs(0)
     nb = (NUMEL + BLOCK - 1) // BLOCK
     a13 = tl.zeros([ROWS, BLOCK], tl.float32)
     a2m = tl.zeros([ROWS, BLOCK], tl.float32)
-    for b0 in range(tl.program_id(0), 3 * nb, n_prog * ROWS):
+    for b0 in tl.range(tl.program_id(0), 3 * nb, n_prog * ROWS, num_stages=STAGES):
         b, j, offs, mask = _blocks(b0, n_prog, nb, NUMEL, ROWS, BLOCK)
         src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, j, ONE), tl.bfloat16, ALIGNED)
         x = tl.abs(tl.load(src[:, None] + offs, mask=mask, other=0.0).to(tl.float32))
@@ -175,7 +176,8 @@ def _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr
 @triton.jit
 def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, inv_fp8_max, min_scale,
                   NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr, PBLOCK: tl.constexpr, EXACT: tl.constexpr, ALIGNED: tl.constexpr):
+                  BLOCK: tl.constexpr, STAGES: tl.constexpr, PBLOCK: tl.constexpr, EXACT: tl.constexpr,
+                  ALIGNED: tl.constexpr):
     """Wait until every program arrived at barrier i (counter ``i % 4`` reaches its share),
     reduce the scales from every program's maxima, and quantize this program's blocks of
     expert i (read again, from L2: the expert was just read); program 0 writes the scales."""
@@ -191,13 +193,13 @@ def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_pt
     s13 = tl.maximum(m13 * inv_fp8_max, min_scale)
     s2 = tl.maximum(m2 * inv_fp8_max, min_scale)
     nb = (NUMEL + BLOCK - 1) // BLOCK
-    for b0 in range(tl.program_id(0), 3 * nb, n_prog * ROWS):
+    for b0 in tl.range(tl.program_id(0), 3 * nb, n_prog * ROWS, num_stages=STAGES):
         b, j, offs, mask = _blocks(b0, n_prog, nb, NUMEL, ROWS, BLOCK)
         src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, j, ONE), tl.bfloat16, ALIGNED)
         dst = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, tl.where(j == 2, 4, 3), ONE)
         dst = _pointer(dst + tl.where(j == 1, NUMEL, 0), tl.float8e4nv, ALIGNED)
         x = tl.load(src[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
-        q = to_fp8(tl.fdiv(x, tl.where(j == 2, s2, s13)[:, None], ieee_rounding=True), EXACT)
+        q = to_fp8(tl.math.div_rn(x, tl.where(j == 2, s2, s13)[:, None]), EXACT)
         tl.store(dst[:, None] + offs, q, mask=mask)
     if tl.program_id(0) == 0:
         c = tl.arange(0, 2)
@@ -211,8 +213,9 @@ def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_pt
 def _quantize_experts_kernel(table_ptr, a0: tl.int64, a1: tl.int64, a2: tl.int64, a3: tl.int64,
                              a4: tl.int64, a5: tl.int64, a6: tl.int64, k, sync_ptr, partial_ptr, inv_fp8_max,
                              min_scale, NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr,
-                             ROWS: tl.constexpr, BLOCK: tl.constexpr, PBLOCK: tl.constexpr,
-                             EXACT: tl.constexpr, ALIGNED: tl.constexpr, AHEAD: tl.constexpr):
+                             ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
+                             PBLOCK: tl.constexpr, EXACT: tl.constexpr, ALIGNED: tl.constexpr,
+                             AHEAD: tl.constexpr):
     """Every program (all resident at once: a cooperative launch) works on every expert, in
     order: its blocks' maxima, a grid-wide barrier, then those blocks quantized with the
     expert's scales. AHEAD: the maxima of expert i + 1 are taken before waiting at barrier
@@ -222,17 +225,17 @@ def _quantize_experts_kernel(table_ptr, a0: tl.int64, a1: tl.int64, a2: tl.int64
     stream."""
     if AHEAD:
         _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, 0, sync_ptr, partial_ptr, NUMEL, ONE, ROWS, BLOCK,
-                     ALIGNED)
+                     STAGES, ALIGNED)
     for i in range(k):
         if AHEAD:
             if i + 1 < k:
                 _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i + 1, sync_ptr, partial_ptr, NUMEL, ONE,
-                             ROWS, BLOCK, ALIGNED)
+                             ROWS, BLOCK, STAGES, ALIGNED)
         else:
             _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL, ONE, ROWS,
-                         BLOCK, ALIGNED)
+                         BLOCK, STAGES, ALIGNED)
         _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, inv_fp8_max, min_scale,
-                      NUMEL, COLS13, ONE, ROWS, BLOCK, PBLOCK, EXACT, ALIGNED)
+                      NUMEL, COLS13, ONE, ROWS, BLOCK, STAGES, PBLOCK, EXACT, ALIGNED)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 4, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         for c in tl.static_range(5):  # every program has passed its last wait
@@ -312,9 +315,11 @@ QUANT_BLOCK = 8192  # elements per step of the quantization's programs
 PROGRAMS_PER_SM = 2  # resident at once (a cooperative launch): enough loads in flight
 QUANT_WARPS = 8
 QUANT_AHEAD = False
-QUANT_ROWS = 2  # blocks loaded at once by each program
+QUANT_ROWS = 1  # blocks loaded at once by each program
+QUANT_STAGES = 1  # blocks in flight per program (Triton's loop pipelining)
 _QUANTIZE = Launcher(_quantize_experts_kernel)
 _SYNC: dict = {}  # (device, stream) -> (counters, maxima): launches on one stream run in turn
+_FEWER: dict = {}  # (device, kernel shape) -> programs, where the device holds fewer at once
 
 
 @functools.cache
@@ -357,16 +362,24 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     args = rows[0] if one else (0,) * 7
     table = None if one else device_ints([a for row in rows for a in row], device)
     programs = 1 if INTERPRET else min(_programs(device.index), 3 * cdiv(numel, QUANT_BLOCK))
-    sync, partial = _scratch(device, programs)
     # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
     # checkpoint may not: then every element moves on its own
     aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
-    pblock = next_pow2(programs)
-    _QUANTIZE((programs,), (numel, cols13, one, aligned, pblock, QUANT_BLOCK, QUANT_WARPS, QUANT_AHEAD,
-                            QUANT_ROWS),
-              partial if one else table, *args, k, sync, partial, INV_FP8_MAX, MIN_SCALE,
-              numel, cols13, one, QUANT_ROWS, QUANT_BLOCK, pblock, EXACT, aligned, QUANT_AHEAD,
-              num_warps=QUANT_WARPS, launch_cooperative_grid=True)
+    shape = (numel, cols13, one, aligned, QUANT_BLOCK, QUANT_WARPS, QUANT_AHEAD, QUANT_ROWS, QUANT_STAGES)
+    programs = _FEWER.get((device.index, shape), programs)
+    while True:
+        sync, partial = _scratch(device, programs)
+        pblock = next_pow2(programs)
+        try:
+            _QUANTIZE((programs,), (*shape, pblock),
+                      partial if one else table, *args, k, sync, partial, INV_FP8_MAX, MIN_SCALE,
+                      numel, cols13, one, QUANT_ROWS, QUANT_BLOCK, QUANT_STAGES, pblock, EXACT, aligned,
+                      QUANT_AHEAD, num_warps=QUANT_WARPS, launch_cooperative_grid=True)
+            return
+        except RuntimeError as exc:  # the compiled kernel needs more of an SM than assumed: the
+            if "cooperative" not in str(exc) or programs == 1:  # driver refuses a grid that cannot
+                raise  # be resident at once (nothing ran); fewer programs, remembered
+            programs = _FEWER[(device.index, shape)] = programs // 2
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]
