@@ -1,6 +1,8 @@
 """Where a one-expert post-processing spends its time on this host (issue 14's <= 30 us).
 
-    python3 gpu/launch_probe.py
+    python3 gpu/launch_probe.py [--processing-only]
+
+(``FP8_RELOAD_TREE=DIR``: DIR's `fp8_reload` is measured: another commit's, in the same run.)
 
 1. Floors: an idle synchronize; a tiny torch op then a synchronize; an empty Triton kernel
    through Triton's launcher and through its compiled kernel's `run` (no binder), each
@@ -31,6 +33,8 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "gpu"))
+if os.environ.get("FP8_RELOAD_TREE"):  # another commit's package (an A/B in one run)
+    sys.path.insert(0, os.environ["FP8_RELOAD_TREE"])
 os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
 
 from process_probe import back_to_back, per_call  # noqa: E402
@@ -188,19 +192,14 @@ def quant_shapes() -> None:
     for k in (1, 64):
         rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
         moved = k * numel * 3 * 3
-        for ahead, stages, per_sm, block, warps in (
-                (False, 1, 2, 8192, 8), (True, 1, 2, 8192, 8), (False, 2, 2, 8192, 8),
-                (False, 3, 2, 8192, 8), (False, 3, 1, 8192, 8), (False, 4, 1, 8192, 8),
-                (False, 4, 2, 4096, 4), (False, 2, 4, 4096, 4), (True, 3, 2, 8192, 8)):
+        for per_sm, block, warps in ((2, 8192, 8), (1, 8192, 8), (2, 4096, 4), (4, 4096, 4), (1, 16384, 16)):
             requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
-            requant.QUANT_AHEAD, requant.QUANT_STAGES = ahead, stages
             requant._programs.cache_clear()
             try:
                 requant.quantize_experts_(w13.device, numel, 2, rows)
                 torch.cuda.synchronize()
             except Exception as exc:  # a shape that does not compile
-                print(f"[quant] k={k} ahead={ahead} {per_sm}/SM {stages} stages of {block} warps {warps}: "
-                      f"{type(exc).__name__}: {exc}")
+                print(f"[quant] k={k} {per_sm}/SM {block} {warps}: {type(exc).__name__}: {exc}")
                 continue
             a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             a.record()
@@ -209,23 +208,23 @@ def quant_shapes() -> None:
             b.record()
             torch.cuda.synchronize()
             us = a.elapsed_time(b) * 1e3 / 20
-            shape = f"ahead={ahead} {per_sm}/SM {stages} stages of {block} warps {warps}"
+            shape = f"{per_sm}/SM, blocks of {block}, {warps} warps"
             if requant._FEWER:  # the device refused that many programs resident at once
                 shape += f" (fewer programs: {sorted(set(requant._FEWER.values()))})"
                 requant._FEWER.clear()
             print(f"[quant] k={k} {shape}: {us:.1f} us, "
                   f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
     requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
-    requant.QUANT_AHEAD, requant.QUANT_STAGES = False, 1
     requant._programs.cache_clear()
 
 
 def main() -> None:
     print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
-          "triton", triton.__version__, flush=True)
-    floors()
-    grid_barrier()
-    quant_shapes()
+          "triton", triton.__version__, "fp8_reload from", Path(fr.__file__).parent, flush=True)
+    if "--processing-only" not in sys.argv:
+        floors()
+        grid_barrier()
+        quant_shapes()
     with tempfile.TemporaryDirectory() as tmp:
         processing(Path(tmp))
 

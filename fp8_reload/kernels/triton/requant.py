@@ -34,11 +34,7 @@ from .fp8 import to_fp8
 from .runtime import INTERPRET, Launcher, cdiv, check_device, device_ints, next_pow2, tl, triton
 
 BLOCK = 4096  # elements per step of a program
-# e4m3 rounding in float32 arithmetic, on the GPU too: the H200's conversion rounds some
-# ties between subnormals away from even (x / scale = 3.5 * 2^-9 became 3 * 2^-9 where torch
-# gives 4 * 2^-9, in 1 of 2M elements of a test layer); this costs no time in a kernel bound
-# by memory, and gives torch's bytes
-EXACT = True
+EXACT = INTERPRET
 
 
 def _iters(k: int) -> int:
@@ -139,45 +135,32 @@ def _pointer(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _blocks(b0, n_prog, nb, NUMEL: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr):
-    """This step's ROWS blocks ``b0 + r * n_prog`` of an expert's 3 * nb (gate, up, down
-    pieces of nb blocks each): their numbers, pieces, offsets in their piece, and mask."""
-    b = b0 + tl.arange(0, ROWS) * n_prog
-    ok = b < 3 * nb
-    j = tl.minimum(b // nb, 2)
-    offs = (b - j * nb).to(tl.int64)[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    return b, j, offs, ok[:, None] & (offs < NUMEL)
-
-
-@triton.jit
 def _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL: tl.constexpr,
-                 ONE: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                 ALIGNED: tl.constexpr):
+                 ONE: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """This program's maxima of |x| over its blocks of expert i's gate + up and of its down,
     into its slot of buffer ``i % 4``, then its arrival at barrier i."""
     n_prog = tl.num_programs(0)
     nb = (NUMEL + BLOCK - 1) // BLOCK
-    a13 = tl.zeros([ROWS, BLOCK], tl.float32)
-    a2m = tl.zeros([ROWS, BLOCK], tl.float32)
-    for b0 in tl.range(tl.program_id(0), 3 * nb, n_prog * ROWS, num_stages=STAGES):
-        b, j, offs, mask = _blocks(b0, n_prog, nb, NUMEL, ROWS, BLOCK)
+    a13 = tl.zeros([BLOCK], tl.float32)
+    a2m = tl.zeros([BLOCK], tl.float32)
+    for b in range(tl.program_id(0), 3 * nb, n_prog):
+        j = b // nb  # the piece: gate, up, down
         src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, j, ONE), tl.bfloat16, ALIGNED)
-        x = tl.abs(tl.load(src[:, None] + offs, mask=mask, other=0.0).to(tl.float32))
-        down = (j == 2)[:, None]
-        a13 = tl.maximum(a13, tl.where(down, 0.0, x))
-        a2m = tl.maximum(a2m, tl.where(down, x, 0.0))
+        offs = (b - j * nb).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        x = tl.abs(tl.load(src + offs, mask=offs < NUMEL, other=0.0).to(tl.float32))
+        a13 = tl.maximum(a13, tl.where(j == 2, 0.0, x))
+        a2m = tl.maximum(a2m, tl.where(j == 2, x, 0.0))
     slot = partial_ptr + ((i % 4) * n_prog + tl.program_id(0)) * 2
-    tl.store(slot, tl.max(tl.max(a13, axis=1), axis=0))
-    tl.store(slot + 1, tl.max(tl.max(a2m, axis=1), axis=0))
+    tl.store(slot, tl.max(a13, axis=0))
+    tl.store(slot + 1, tl.max(a2m, axis=0))
     tl.debug_barrier()  # the stores above, then the arrival (release)
     tl.atomic_add(sync_ptr + i % 4, 1, sem="release")
 
 
 @triton.jit
 def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, inv_fp8_max, min_scale,
-                  NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, ROWS: tl.constexpr,
-                  BLOCK: tl.constexpr, STAGES: tl.constexpr, PBLOCK: tl.constexpr, EXACT: tl.constexpr,
-                  ALIGNED: tl.constexpr):
+                  NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, BLOCK: tl.constexpr,
+                  PBLOCK: tl.constexpr, EXACT: tl.constexpr, ALIGNED: tl.constexpr):
     """Wait until every program arrived at barrier i (counter ``i % 4`` reaches its share),
     reduce the scales from every program's maxima, and quantize this program's blocks of
     expert i (read again, from L2: the expert was just read); program 0 writes the scales."""
@@ -193,14 +176,16 @@ def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_pt
     s13 = tl.maximum(m13 * inv_fp8_max, min_scale)
     s2 = tl.maximum(m2 * inv_fp8_max, min_scale)
     nb = (NUMEL + BLOCK - 1) // BLOCK
-    for b0 in tl.range(tl.program_id(0), 3 * nb, n_prog * ROWS, num_stages=STAGES):
-        b, j, offs, mask = _blocks(b0, n_prog, nb, NUMEL, ROWS, BLOCK)
+    for b in range(tl.program_id(0), 3 * nb, n_prog):
+        j = b // nb
         src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, j, ONE), tl.bfloat16, ALIGNED)
         dst = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, tl.where(j == 2, 4, 3), ONE)
         dst = _pointer(dst + tl.where(j == 1, NUMEL, 0), tl.float8e4nv, ALIGNED)
-        x = tl.load(src[:, None] + offs, mask=mask, other=0.0).to(tl.float32)
-        q = to_fp8(tl.math.div_rn(x, tl.where(j == 2, s2, s13)[:, None]), EXACT)
-        tl.store(dst[:, None] + offs, q, mask=mask)
+        offs = (b - j * nb).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        mask = offs < NUMEL
+        x = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
+        q = to_fp8(tl.math.div_rn(x, tl.where(j == 2, s2, s13)), EXACT)
+        tl.store(dst + offs, q, mask=mask)
     if tl.program_id(0) == 0:
         c = tl.arange(0, 2)
         out13 = _row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, 5, ONE).to(tl.pointer_type(tl.float32))
@@ -213,29 +198,20 @@ def _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_pt
 def _quantize_experts_kernel(table_ptr, a0: tl.int64, a1: tl.int64, a2: tl.int64, a3: tl.int64,
                              a4: tl.int64, a5: tl.int64, a6: tl.int64, k, sync_ptr, partial_ptr, inv_fp8_max,
                              min_scale, NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr,
-                             ROWS: tl.constexpr, BLOCK: tl.constexpr, STAGES: tl.constexpr,
-                             PBLOCK: tl.constexpr, EXACT: tl.constexpr, ALIGNED: tl.constexpr,
-                             AHEAD: tl.constexpr):
+                             BLOCK: tl.constexpr, PBLOCK: tl.constexpr, EXACT: tl.constexpr,
+                             ALIGNED: tl.constexpr):
     """Every program (all resident at once: a cooperative launch) works on every expert, in
     order: its blocks' maxima, a grid-wide barrier, then those blocks quantized with the
-    expert's scales. AHEAD: the maxima of expert i + 1 are taken before waiting at barrier
-    i (no wait, but expert i's bytes may have left L2 by the time they are read again).
-    Buffers and counters rotate over four experts (a program cannot be four experts ahead
-    of another). The last program out resets the counters for the next launch on this
-    stream."""
-    if AHEAD:
-        _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, 0, sync_ptr, partial_ptr, NUMEL, ONE, ROWS, BLOCK,
-                     STAGES, ALIGNED)
+    expert's scales, read again from L2 (memory sees each byte once). Buffers and counters
+    rotate over four experts (a program cannot be four experts ahead of another). The last
+    program out resets the counters for the next launch on this stream. (Taking the
+    maxima of expert i + 1 before waiting at barrier i saves the wait but evicts expert i
+    from L2: no faster on the H200, `results/h200/kernels-probe/launch_probe-*.txt`.)"""
     for i in range(k):
-        if AHEAD:
-            if i + 1 < k:
-                _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i + 1, sync_ptr, partial_ptr, NUMEL, ONE,
-                             ROWS, BLOCK, STAGES, ALIGNED)
-        else:
-            _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL, ONE, ROWS,
-                         BLOCK, STAGES, ALIGNED)
+        _expert_amax(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, NUMEL, ONE, BLOCK,
+                     ALIGNED)
         _expert_quant(table_ptr, a0, a1, a2, a3, a4, a5, a6, i, sync_ptr, partial_ptr, inv_fp8_max, min_scale,
-                      NUMEL, COLS13, ONE, ROWS, BLOCK, STAGES, PBLOCK, EXACT, ALIGNED)
+                      NUMEL, COLS13, ONE, BLOCK, PBLOCK, EXACT, ALIGNED)
     tl.debug_barrier()
     if tl.atomic_add(sync_ptr + 4, 1, sem="acq_rel") == tl.num_programs(0) - 1:
         for c in tl.static_range(5):  # every program has passed its last wait
@@ -314,9 +290,6 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
 QUANT_BLOCK = 8192  # elements per step of the quantization's programs
 PROGRAMS_PER_SM = 2  # resident at once (a cooperative launch): enough loads in flight
 QUANT_WARPS = 8
-QUANT_AHEAD = False
-QUANT_ROWS = 1  # blocks loaded at once by each program
-QUANT_STAGES = 1  # blocks in flight per program (Triton's loop pipelining)
 _QUANTIZE = Launcher(_quantize_experts_kernel)
 _SYNC: dict = {}  # (device, stream) -> (counters, maxima): launches on one stream run in turn
 _FEWER: dict = {}  # (device, kernel shape) -> programs, where the device holds fewer at once
@@ -365,7 +338,7 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
     # checkpoint may not: then every element moves on its own
     aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
-    shape = (numel, cols13, one, aligned, QUANT_BLOCK, QUANT_WARPS, QUANT_AHEAD, QUANT_ROWS, QUANT_STAGES)
+    shape = (numel, cols13, one, aligned, QUANT_BLOCK, QUANT_WARPS)
     programs = _FEWER.get((device.index, shape), programs)
     while True:
         sync, partial = _scratch(device, programs)
@@ -373,8 +346,8 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
         try:
             _QUANTIZE((programs,), (*shape, pblock),
                       partial if one else table, *args, k, sync, partial, INV_FP8_MAX, MIN_SCALE,
-                      numel, cols13, one, QUANT_ROWS, QUANT_BLOCK, QUANT_STAGES, pblock, EXACT, aligned,
-                      QUANT_AHEAD, num_warps=QUANT_WARPS, launch_cooperative_grid=True)
+                      numel, cols13, one, QUANT_BLOCK, pblock, EXACT, aligned,
+                      num_warps=QUANT_WARPS, launch_cooperative_grid=True)
             return
         except RuntimeError as exc:  # the compiled kernel needs more of an SM than assumed: the
             if "cooperative" not in str(exc) or programs == 1:  # driver refuses a grid that cannot
