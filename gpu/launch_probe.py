@@ -11,9 +11,9 @@
    (`UnprocessedLayer`): per call to the synchronize (what asv times), back to back, and
    back to back with the kernel launches stubbed out (the Python around them), then the
    top of a cProfile of the back-to-back calls.
-3. The bf16 whole layer the same way.
-4. A grid-wide barrier inside one cooperative Triton launch (one program per SM): its cost
-   per crossing, what a one-launch quantization pays per expert.
+3. The bf16 whole layer and the fp8 whole layer the same way.
+(Commits 7b2933e-77043fa also timed a grid-wide barrier and a one-launch cooperative bf16
+quantization under several shapes: `results/h200/kernels-probe/launch_probe-*.txt`.)
 """
 
 from __future__ import annotations
@@ -144,87 +144,11 @@ def processing(root: Path) -> None:
         torch.cuda.empty_cache()
 
 
-@triton.jit
-def _barriers(count_ptr, gen_ptr, n_barriers):
-    n = tl.num_programs(0)
-    for _ in range(n_barriers):
-        gen = tl.atomic_add(gen_ptr, 0, sem="relaxed")
-        tl.debug_barrier()
-        ticket = tl.atomic_add(count_ptr, 1, sem="acq_rel")
-        if ticket == n - 1:
-            tl.atomic_xchg(count_ptr, 0, sem="relaxed")
-            tl.atomic_add(gen_ptr, 1, sem="release")
-        else:
-            while tl.atomic_add(gen_ptr, 0, sem="acquire") == gen:
-                pass
-        tl.debug_barrier()
-
-
-def grid_barrier() -> None:
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    count = torch.zeros(1, dtype=torch.int32, device="cuda")
-    gen = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for n_bar in (1, 1000):
-        _barriers[(sms,)](count, gen, n_bar, launch_cooperative_grid=True)
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        _barriers[(sms,)](count, gen, n_bar, launch_cooperative_grid=True)
-        b.record()
-        torch.cuda.synchronize()
-        print(f"[barrier] {sms} programs, {n_bar} barriers: {a.elapsed_time(b) * 1e3:.1f} us "
-              f"({a.elapsed_time(b) * 1e3 / n_bar:.2f} us each); generation {gen.item()}", flush=True)
-
-
-def quant_shapes() -> None:
-    """The bf16 quantization kernel of one v2-lite layer (64 experts, pieces on the device)
-    under each (programs per SM, block, warps): device time of 20 launches back to back,
-    and the bytes memory must move (each bf16 byte read once, each FP8 byte written) over it."""
-    from fp8_reload.kernels.triton import requant
-
-    inter, hidden, e = 1408, 2048, 64
-    numel = inter * hidden
-    w13 = torch.empty(e, 2 * inter, hidden, dtype=torch.float8_e4m3fn, device="cuda")
-    w2 = torch.empty(e, hidden, inter, dtype=torch.float8_e4m3fn, device="cuda")
-    s13, s2 = torch.ones(e, 2, device="cuda"), torch.ones(e, device="cuda")
-    src = torch.randn(e, 3, numel, device="cuda").to(torch.bfloat16)
-    row = ops.expert_rows(w13, s13, w2, s2)
-    for k in (1, 64):
-        rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(k)]
-        moved = k * numel * 3 * 3
-        for per_sm, block, warps in ((2, 8192, 8), (1, 8192, 8), (2, 4096, 4), (4, 4096, 4), (1, 16384, 16)):
-            requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = per_sm, block, warps
-            requant._programs.cache_clear()
-            try:
-                requant.quantize_experts_(w13.device, numel, 2, rows)
-                torch.cuda.synchronize()
-            except Exception as exc:  # a shape that does not compile
-                print(f"[quant] k={k} {per_sm}/SM {block} {warps}: {type(exc).__name__}: {exc}")
-                continue
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            for _ in range(20):
-                requant.quantize_experts_(w13.device, numel, 2, rows)
-            b.record()
-            torch.cuda.synchronize()
-            us = a.elapsed_time(b) * 1e3 / 20
-            shape = f"{per_sm}/SM, blocks of {block}, {warps} warps"
-            if requant._FEWER:  # the device refused that many programs resident at once
-                shape += f" (fewer programs: {sorted(set(requant._FEWER.values()))})"
-                requant._FEWER.clear()
-            print(f"[quant] k={k} {shape}: {us:.1f} us, "
-                  f"{moved / us / 1e6:.2f} TB/s of bytes moved once", flush=True)
-    requant.PROGRAMS_PER_SM, requant.QUANT_BLOCK, requant.QUANT_WARPS = 2, 8192, 8
-    requant._programs.cache_clear()
-
-
 def main() -> None:
     print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
           "triton", triton.__version__, "fp8_reload from", Path(fr.__file__).parent, flush=True)
     if "--processing-only" not in sys.argv:
         floors()
-        grid_barrier()
-        quant_shapes()
     with tempfile.TemporaryDirectory() as tmp:
         processing(Path(tmp))
 

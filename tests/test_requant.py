@@ -192,14 +192,14 @@ def test_quantize_staged_by_address_matches_the_torch_path(seed, where):
 
 
 class _Counted:
-    """A kernel launcher whose launches are counted (the compiled fast path included)."""
+    """A Triton kernel whose launches are counted (works compiled and interpreted)."""
 
-    def __init__(self, launcher, launches):
-        self.launcher, self.launches = launcher, launches
+    def __init__(self, kernel, launches):
+        self.kernel, self.launches = kernel, launches
 
-    def __call__(self, *args, **kwargs):
-        self.launches.append(self.launcher.kernel.__name__)
-        return self.launcher(*args, **kwargs)
+    def __getitem__(self, grid):
+        self.launches.append(self.kernel.fn.__name__ if hasattr(self.kernel, "fn") else str(self.kernel))
+        return self.kernel[grid]
 
 
 class _TorchCalls(torch.overrides.TorchFunctionMode):
@@ -218,11 +218,11 @@ DEVICE_WORK = {"item", "tolist", "cpu", "pin_memory", "to", "copy_", "empty", "z
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
-def test_one_expert_is_one_launch_and_nothing_else(monkeypatch, kind):
-    """One reloaded expert: one launch (fp8: requantize; bf16: maxima, barrier, quantize);
-    no host-to-device table, no scratch allocated, no sync, no torch op in between."""
+def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
+    """One reloaded expert: fp8 one launch, bf16 two (amax, quantize) plus the scratch of
+    block maxima; no host-to-device table, no sync, no torch op in between."""
     launches: list = []
-    for name in ("_REQUANT", "_QUANTIZE"):
+    for name in ("_requant_w13_kernel", "_expert_amax_kernel", "_expert_quant_kernel"):
         monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
     monkeypatch.setattr(ops, "on_triton", lambda t: True)
     e, inter, hidden = 4, 16, 32
@@ -245,19 +245,19 @@ def test_one_expert_is_one_launch_and_nothing_else(monkeypatch, kind):
     launches.clear()
     with _TorchCalls() as calls:
         process([2])
-    assert len(launches) == 1, launches
+    assert len(launches) == (1 if kind == "fp8" else 2), launches
     extra = [n for n in calls.names if n in DEVICE_WORK]
-    assert extra == [], extra
+    assert extra == ([] if kind == "fp8" else ["empty"]), extra
     launches.clear()
-    process([0, 3])  # several experts: still one launch
-    assert len(launches) == 1, launches
+    process([0, 3])  # several experts: still one (fp8) or two (bf16) launches
+    assert len(launches) == (1 if kind == "fp8" else 2), launches
 
 
-def test_quantize_many_experts_across_many_programs_matches_the_torch_path():
-    """More experts than the kernel's four rotating buffers and barrier counters, pieces of
-    many blocks (on a GPU: hundreds of programs meeting at a barrier per expert), slots out
-    of order: the torch path's bytes, and a second launch (the counters back at zero)
-    gives them again."""
+def test_quantize_many_experts_of_many_blocks_matches_the_torch_path():
+    """Eleven experts of pieces of many blocks (on a GPU: hundreds of programs), slots out
+    of order: the torch path's bytes, and a second pass gives them again. On the H200 this
+    size found the kernels' division not correctly rounded (`tl.fdiv`): 1 element in 2M
+    one e4m3 step away."""
     e, (inter, hidden) = 13, (256, 1024) if DEVICE == "cuda" else (64, 256)
     slots = [12, 0, 3, 4, 5, 7, 8, 9, 10, 11, 1]
     staged = bf16_experts(slots, inter, hidden, seed=6)
@@ -272,10 +272,10 @@ def test_quantize_many_experts_across_many_programs_matches_the_torch_path():
             assert_bitwise_equal(a, b.cpu(), name)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled launches, streams)")
-def test_launches_on_two_streams_at_once_keep_their_own_barriers():
-    """Layers quantized on two streams at the same time: each stream has its own barrier
-    counters and maxima, so neither sees the other's arrivals."""
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (streams)")
+def test_layers_quantized_on_two_streams_at_once_give_the_torch_bytes():
+    """Four layers quantized three times over on two streams at once (each launch's scratch
+    its own): every byte as the torch path gives it."""
     e, inter, hidden = 8, 256, 1024
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
     cases = []
@@ -295,31 +295,3 @@ def test_launches_on_two_streams_at_once_keep_their_own_barriers():
     for want, got, _ in cases:
         for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
             assert_bitwise_equal(a, b.cpu(), name)
-
-
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled launches)")
-def test_launcher_keys_tell_specializations_apart():
-    """`runtime.Launcher`: a kernel compiled for one layer shape (its constexprs) is never
-    launched for another: requantizing a 16-expert then a 64-expert layer, then the first
-    again (each through the compiled kernel after its first launch) gives the torch bytes;
-    an integer argument Triton would specialize on is refused."""
-    from fp8_reload.kernels.triton.runtime import Launcher, tl, triton
-
-    for e, inter, hidden in ((16, 48, 128), (64, 48, 128), (16, 48, 128), (64, 32, 64)):
-        q, s = fp8_w13(e, inter, hidden, seed=e + inter)
-        want_q, want_s = q.clone(), s.clone()
-        ops.requantize_w13_to_expert_max_(want_q, want_s, torch.tensor([0, e - 1]), inter)
-        for _ in range(2):
-            got_q, got_s = q.cuda(), s.cuda()
-            requant.requantize_w13_(got_q, got_s, [0, e - 1])
-            assert_bitwise_equal(want_q, got_q.cpu(), f"w13 {e=}")
-            assert_bitwise_equal(want_s, got_s.cpu(), f"w13_scale {e=}")
-    assert requant._REQUANT.compiled
-
-    @triton.jit
-    def _add(x_ptr, n, BLOCK: tl.constexpr):
-        i = tl.arange(0, BLOCK)
-        tl.store(x_ptr + i, tl.load(x_ptr + i, mask=i < n) + 1, mask=i < n)
-
-    with pytest.raises(TypeError, match="do_not_specialize"):
-        Launcher(_add)((1,), "key", torch.zeros(4, device="cuda"), 4, 4)

@@ -178,7 +178,7 @@ def expert_rows(w13, w13_scale, w2, w2_scale):
 
 
 def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: list[int]) -> None:
-    """One launch per chunk of experts, each expert a row of addresses computed from the
+    """Two launches per chunk of experts, each expert a row of addresses computed from the
     layout (a view per piece costs more host time than one expert's kernels take). Pieces
     on the device are read where they are; others are copied over a chunk at a time.
     Every piece is checked before anything is written."""
@@ -193,8 +193,7 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
             on_device = on_device and t.get_device() == dev
     row = expert_rows(w13, w13_scale, w2, w2_scale)
     cols = w13_scale.numel() // w13_scale.shape[0]
-    # on the device: a launch per 16 experts, the first queued while the rest are listed
-    step = 16 if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
     for i in range(0, len(slots), step):
         rows, copies = [], []
         for s in slots[i:i + step]:

@@ -141,8 +141,8 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
 
 
 def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
-    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (one
-    launch per layer shape, each expert a row of addresses); with `checks`, their values'
+    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (two
+    launches per layer shape, each expert a row of addresses); with `checks`, their values'
     flags are appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_experts_  # needs triton: imported on use
 

@@ -23,7 +23,6 @@ if not torch.cuda.is_available() and "triton" not in sys.modules:
 
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402,F401  (re-exported for the kernel modules)
-from triton import knobs  # noqa: E402
 
 
 def _interpreting() -> bool:
@@ -66,52 +65,6 @@ def pow2(n: int, lo: int = 16, hi: int = 128) -> int:
 def launch_opts(cfg: dict) -> dict:
     """Compile options of a tile config; the interpreter takes none."""
     return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-
-
-def _hooked(hook) -> bool:
-    """Whether a launch hook is set (None, or a chain of none, when not: Triton 3.6 / 3.9)."""
-    return hook is not None and bool(getattr(hook, "calls", True))
-
-
-class Launcher:
-    """A Triton kernel launched through its compiled form once a call with the same `key` has
-    compiled it.
-
-    Triton binds and specializes every argument on each launch: ~10 us of host time on the
-    H200 hosts (`gpu/launch_probe.py`: 15.1 us per launch of an empty kernel, 5.4 us through
-    its compiled form), while one reloaded expert is a few us of device work. A call's `key`
-    must determine everything Triton specializes on besides the integer arguments (the
-    constexpr values, the compile options, the dtypes of the tensors and whether their
-    addresses are 16-byte aligned); integer arguments must be ``do_not_specialize``, checked
-    on each key's first launch. That launch, and every launch under the interpreter or a
-    launch hook (a profiler), goes through Triton.
-    """
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-        self.compiled: dict = {}
-
-    def __call__(self, grid: tuple, key, *args, **options):
-        if INTERPRET:
-            return self.kernel[grid](*args)
-        device = torch.cuda.current_device()
-        compiled = self.compiled.get((device, key))
-        hooks = knobs.runtime
-        if compiled is None or _hooked(hooks.launch_enter_hook) or _hooked(hooks.launch_exit_hook):
-            return self._through_triton(grid, key, device, args, options)
-        g = (*grid, 1, 1)
-        compiled.run(g[0], g[1], g[2], torch._C._cuda_getCurrentRawStream(device), compiled.function,
-                     compiled.packed_metadata, None, None, None, *args)
-
-    def _through_triton(self, grid, key, device, args, options):
-        for p, v in zip(self.kernel.params, args):
-            if not p.is_constexpr and isinstance(v, int) and not p.do_not_specialize:
-                raise TypeError(f"{self.kernel.fn.__name__}: integer argument {p.name} must be "
-                                "do_not_specialize to launch through `Launcher`")
-        compiled = self.kernel[grid](*args, **options)
-        if len(self.compiled) > 256:  # keys hold addresses' facts, not addresses: few per kernel
-            self.compiled.clear()
-        self.compiled[(device, key)] = compiled
 
 
 def device_ints(values, device) -> torch.Tensor:
