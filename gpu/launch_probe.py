@@ -12,6 +12,8 @@
    back to back with the kernel launches stubbed out (the Python around them), then the
    top of a cProfile of the back-to-back calls.
 3. The bf16 whole layer and the fp8 whole layer the same way.
+4. Device time of the processing kernels by shape (elements per step, steps per program),
+   each call captured in a CUDA graph: what the kernels cost without the host.
 (Commits 7b2933e-77043fa also timed a grid-wide barrier and a one-launch cooperative bf16
 quantization under several shapes: `results/h200/kernels-probe/launch_probe-*.txt`.)
 """
@@ -43,6 +45,7 @@ import fp8_reload as fr  # noqa: E402
 from benchmarks.common import UnprocessedLayer  # noqa: E402
 from fp8_reload.kernels.triton.runtime import tl, triton  # noqa: E402
 from fp8_reload.processing import ops  # noqa: E402
+from fp8_reload.testing import capture_graph  # noqa: E402
 
 
 def synced_us(fn, n=500) -> float:
@@ -144,11 +147,81 @@ def processing(root: Path) -> None:
         torch.cuda.empty_cache()
 
 
+def graph_us(fn, reps: int = 40) -> float:
+    """Device us per call of `fn`: `reps` calls captured in one CUDA graph and replayed, so
+    no host time is in the timing."""
+    def many():
+        for _ in range(reps):
+            fn()
+
+    graph, _ = capture_graph(many)
+    graph.replay()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(5):
+        graph.replay()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / (5 * reps)
+
+
+def b2b_events_us(fn, n: int = 10) -> float:
+    fn()
+    torch.cuda.synchronize()
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        fn()
+    b.record()
+    torch.cuda.synchronize()
+    return a.elapsed_time(b) * 1e3 / n
+
+
+def kernel_shapes() -> None:
+    """Device time of the processing kernels on the v2-lite layer shape, per (elements per
+    step, steps per program): fp8 requantization of one expert (its scales put back before
+    each call, a copy timed alone and taken off), bf16 quantization of one and 64 experts."""
+    from fp8_reload.kernels.triton import requant
+
+    e, inter, hidden = 64, 1408, 2048
+    numel = inter * hidden
+    w13 = torch.randn(e, 2 * inter, hidden, device="cuda").to(torch.float8_e4m3fn)
+    w2 = torch.empty(e, hidden, inter, dtype=torch.float8_e4m3fn, device="cuda")
+    s13 = torch.rand(e, 2, device="cuda") + 0.5
+    s2 = torch.ones(e, device="cuda")
+    a13, a2 = torch.rand(e, device="cuda"), torch.rand(e, device="cuda")
+    raw13, raw2 = a13.clone(), a2.clone()
+    saved = s13[5].clone()
+    saved[0] = saved[1] * 0.5  # the gate half moves
+    src = torch.randn(e, 3, numel, device="cuda").to(torch.bfloat16)
+    row = ops.expert_rows(w13, s13, w2, s2)
+    rows = [row(s, tuple(src[s, j].data_ptr() for j in range(3))) for s in range(e)]
+    restore = lambda: s13[5].copy_(saved)  # noqa: E731
+    copy = graph_us(restore)
+    scales = ((a13, raw13), (a2, raw2))
+    real_block, real_iters = requant.BLOCK, requant._iters
+    for block in (4096, 8192):
+        for iters in (1, 2, 4, 8, 16):
+            requant.BLOCK, requant._iters = block, (lambda k, it=iters: it)
+            fp8 = graph_us(lambda: (restore(), requant.requantize_w13_(w13, s13, [5], scales)))
+            one = graph_us(lambda: requant.quantize_experts_(w13.device, numel, 2, rows[:1]))
+            # 64 experts go through a table copied from pinned memory (not capturable safely):
+            # timed back to back, the device far behind the host
+            layer = b2b_events_us(lambda: requant.quantize_experts_(w13.device, numel, 2, rows))
+            tbs = 64 * numel * 3 * 5 / layer / 1e6
+            print(f"[shape] block {block} x {iters} per program: fp8 one expert {fp8 - copy:.1f} us, "
+                  f"bf16 one expert {one:.1f} us, bf16 64 experts {layer:.1f} us ({tbs:.2f} TB/s of the "
+                  "bytes the two passes move)", flush=True)
+    requant.BLOCK, requant._iters = real_block, real_iters
+
+
 def main() -> None:
     print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
           "triton", triton.__version__, "fp8_reload from", Path(fr.__file__).parent, flush=True)
     if "--processing-only" not in sys.argv:
         floors()
+        kernel_shapes()
     with tempfile.TemporaryDirectory() as tmp:
         processing(Path(tmp))
 
