@@ -12,8 +12,9 @@ code under test when ``FP8_RELOAD_BENCH_DEVICE`` is set (`knobs`), so each costs
 Python start.
 
 Names: class and parameter names as in the per-process benchmarks. A time is a
-``track_time_*`` (seconds: the best of ``FP8_RELOAD_BENCH_REPEAT`` samples, default 3,
-each after the benchmark's `setup`, as asv samples), which `fp8-reload report` reads as
+``track_time_*`` (seconds: the best of the samples the class's ``repeat`` asks for, or of
+``FP8_RELOAD_BENCH_REPEAT``, default 3, each after the benchmark's `setup`, as asv
+samples), which `fp8-reload report` reads as
 the ``time_*`` of the same class. Only the cases of `RELOAD_CASES` / `FORWARD_CASES`
 are measured (the figures of the report: headline rows and plots); every other
 parameter combination skips, so select with ``-b`` as `gpu/asv_suite.sh` does.

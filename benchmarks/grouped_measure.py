@@ -4,7 +4,9 @@ per-process benchmarks' own classes, sampled the way asv samples them.
 For a ``time_*`` case: the benchmark's `setup` (which warms up: a first reload, the
 forward's JIT, the raw read), one untimed call unless the class sets
 ``warmup_time = 0`` (asv's warm-up; `ProcessMoELayer` sets it: an untimed call would
-leave a processed layer), then `REPEAT` samples, each a `setup` and ``number`` timed
+leave a processed layer), then samples as the class's ``repeat`` asks asv for them (at
+least ``min``, then more while fewer than ``max`` and ``max_time`` seconds have not
+passed; `REPEAT` for a class that does not say), each a `setup` and ``number`` timed
 calls (the class's, or as asv picks it: enough for `SAMPLE_TIME`) with the suite's timer
 (`common.TIMER`; the device synchronized around each call, `common.synchronized`); the
 value is the best sample's time per call, what `fp8-reload report` takes from asv's
@@ -44,7 +46,16 @@ def _number(call, args, timer) -> int:
     return max(1, min(MAX_NUMBER, math.ceil(SAMPLE_TIME / once))) if once > 0 else MAX_NUMBER
 
 
-def measure_one(paths: dict, name: str, params: tuple, repeat: int = REPEAT):
+def _repeat(cls, repeat: int | None) -> tuple[int, int, float]:
+    """(min samples, max samples, seconds after which no sample more starts)."""
+    if repeat is None and isinstance(getattr(cls, "repeat", None), tuple):
+        lo, hi, seconds = cls.repeat
+        return lo, hi, seconds
+    n = REPEAT if repeat is None else repeat
+    return n, n, math.inf
+
+
+def measure_one(paths: dict, name: str, params: tuple, repeat: int | None = None):
     """(status, value) of one case: ("ok", number), ("skip", why) or ("failed", traceback)."""
     cls_name, method = name.split(".")
     cls = _class(cls_name)
@@ -60,8 +71,10 @@ def measure_one(paths: dict, name: str, params: tuple, repeat: int = REPEAT):
             call(*args)
         timer = getattr(cls, "timer", common.TIMER)
         number = getattr(cls, "number", 0) or _number(call, args, timer)
-        samples = []
-        for _ in range(repeat):
+        lo, hi, seconds = _repeat(cls, repeat)
+        samples: list[float] = []
+        start = time.perf_counter()
+        while len(samples) < lo or (len(samples) < hi and time.perf_counter() - start < seconds):
             setup(*args)
             t = timer()
             for _ in range(number):
