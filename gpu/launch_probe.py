@@ -12,7 +12,9 @@
    back to back with the kernel launches stubbed out (the Python around them), then the
    top of a cProfile of the back-to-back calls.
 3. The bf16 whole layer and the fp8 whole layer the same way.
-4. Device time of the processing kernels by shape (elements per step, steps per program),
+4. One launch of the requantization kernel: host time through Triton's launcher and its
+   compiled `run`, and what the compiled kernel asks of each launch.
+5. Device time of the processing kernels by shape (elements per step, steps per program),
    each call captured in a CUDA graph: what the kernels cost without the host.
 (Commits 7b2933e-77043fa also timed a grid-wide barrier and a one-launch cooperative bf16
 quantization under several shapes: `results/h200/kernels-probe/launch_probe-*.txt`.)
@@ -216,11 +218,47 @@ def kernel_shapes() -> None:
     requant.BLOCK, requant._iters = real_block, real_iters
 
 
+def launch_costs() -> None:
+    """Host time of one launch of the requantization kernel (one expert, nothing to move)
+    through Triton's launcher and through its compiled `run`, back to back, and what the
+    compiled kernel asks of each launch (scratch buffers, registers)."""
+    from fp8_reload.kernels.triton import requant
+
+    e, inter, hidden = 64, 1408, 2048
+    w13 = torch.zeros(e, 2 * inter, hidden, dtype=torch.float8_e4m3fn, device="cuda")
+    s13 = torch.ones(e, 2, device="cuda")
+    a13, a2 = torch.rand(e, device="cuda"), torch.rand(e, device="cuda")
+    raw13, raw2 = a13.clone(), a2.clone()
+    ticket = torch.zeros(1, dtype=torch.int32, device="cuda")
+    half = inter * hidden
+    grid = (1, -(-half // (requant.BLOCK * 2)))
+    args = (w13, s13, ticket, 5, 1, ticket, a13, raw13, a2, raw2, half, e, False, True, 2, requant.BLOCK,
+            1, 64, requant.EXACT)
+    compiled = requant._requant_w13_kernel[grid](*args)
+    torch.cuda.synchronize()
+    stream = torch.cuda.current_stream().cuda_stream
+
+    def raw():
+        compiled.run(grid[0], grid[1], 1, stream, compiled.function, compiled.packed_metadata,
+                     None, None, None, *args)
+
+    meta = compiled.metadata
+    facts = {k: getattr(meta, k, None) for k in ("global_scratch_size", "profile_scratch_size", "shared",
+                                                 "num_warps", "launch_cooperative_grid", "launch_pdl")}
+    facts.update(n_regs=getattr(compiled, "n_regs", None), n_spills=getattr(compiled, "n_spills", None))
+    print(f"[launch] requant kernel: {facts}", flush=True)
+    for name, fn in (("triton launcher", lambda: requant._requant_w13_kernel[grid](*args)),
+                     ("compiled.run", raw)):
+        print(f"[launch] requant, {name}: {b2b_us(fn):.1f} us host back to back, "
+              f"{synced_us(fn):.1f} us to the sync", flush=True)
+
+
 def main() -> None:
     print("torch", torch.__version__, torch.version.cuda, torch.cuda.get_device_name(0),
           "triton", triton.__version__, "fp8_reload from", Path(fr.__file__).parent, flush=True)
     if "--processing-only" not in sys.argv:
         floors()
+        launch_costs()
         kernel_shapes()
     with tempfile.TemporaryDirectory() as tmp:
         processing(Path(tmp))
