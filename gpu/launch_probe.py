@@ -134,6 +134,28 @@ def profile_top(state, n=300, top=18) -> str:
     return out.getvalue()
 
 
+def prepared_ab(state, n: int = 300) -> None:
+    """The same call with the requantization launched through its compiled kernel and
+    through Triton's launcher, alternating call by call (host drift cancels): medians."""
+    from fp8_reload.kernels.triton import requant
+
+    if not hasattr(requant, "PREPARED"):
+        return
+    times: dict = {True: [], False: []}
+    for i in range(2 * n):
+        requant.PREPARED = i % 2 == 0
+        state.restore()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        state.process()
+        torch.cuda.synchronize()
+        times[requant.PREPARED].append(time.perf_counter() - t0)
+    requant.PREPARED = True
+    on, off = (statistics.median(times[v]) * 1e6 for v in (True, False))
+    print(f"[prepared] fp8 one expert to the sync, alternating: {on:.1f} us through the compiled kernel, "
+          f"{off:.1f} us through Triton's launcher (medians of {n})", flush=True)
+
+
 def processing(root: Path) -> None:
     cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
     for kind in ("fp8", "bf16"):
@@ -145,6 +167,8 @@ def processing(root: Path) -> None:
             print(f"[process] {kind} {scope}: {host:.1f} us to the sync (events {dev:.1f} us); back to back "
                   f"{b2b:.1f} us host per call, {py:.1f} us of it with no launch", flush=True)
             print(profile_top(state), flush=True)
+            if kind == "fp8" and scope == "one":
+                prepared_ab(state)
         UnprocessedLayer._cache.clear()
         torch.cuda.empty_cache()
 

@@ -224,6 +224,14 @@ def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
     launches: list = []
     for name in ("_requant_w13_kernel", "_expert_amax_kernel", "_expert_quant_kernel"):
         monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
+    real_launch = requant._launch  # fp8: the compiled kernel's own launches too
+
+    def launch(compiled, sub, grid, args, dev):
+        if sub in compiled:
+            launches.append("_requant_w13_kernel (compiled)")
+        real_launch(compiled, sub, grid, args, dev)
+
+    monkeypatch.setattr(requant, "_launch", launch)
     monkeypatch.setattr(ops, "on_triton", lambda t: True)
     e, inter, hidden = 4, 16, 32
     if kind == "fp8":
@@ -295,3 +303,25 @@ def test_layers_quantized_on_two_streams_at_once_give_the_torch_bytes():
     for want, got, _ in cases:
         for name, a, b in zip(("w13", "w13_scale", "w2", "w2_scale"), want, got):
             assert_bitwise_equal(a, b.cpu(), name)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (compiled launches)")
+@pytest.mark.parametrize("prepared", [True, False], ids=["compiled-launch", "through-triton"])
+def test_layers_of_other_shapes_never_share_a_compiled_launch(monkeypatch, prepared):
+    """A layer's requantization is launched through the kernel Triton compiled for it: a
+    16-expert, a 64-expert, then the 16-expert layer again, each for one expert, a run and
+    a list (different constexprs), give the torch path's bytes every time, with the fast
+    launch and without (FP8_RELOAD_FAST_LAUNCH=0)."""
+    monkeypatch.setattr(requant, "PREPARED", prepared)
+    layers = {e: fp8_w13(e, 48, 128, seed=e) for e in (16, 64)}
+    got = {e: [t.cuda() for t in layers[e]] for e in layers}  # the same tensors every call:
+    for e in (16, 64, 16, 64):                                 # the layer's cached launches
+        for experts in ([3], [4, 5, 6], [e - 1, 0, 7]):
+            want_q, want_s = (t.clone() for t in layers[e])
+            ops.requantize_w13_to_expert_max_(want_q, want_s, torch.tensor(experts), 48)
+            got_q, got_s = got[e]
+            got_q.copy_(layers[e][0])
+            got_s.copy_(layers[e][1])
+            requant.requantize_w13_(got_q, got_s, experts)
+            assert_bitwise_equal(want_q, got_q.cpu(), f"w13 {e=} {experts=}")
+            assert_bitwise_equal(want_s, got_s.cpu(), f"w13_scale {e=} {experts=}")
