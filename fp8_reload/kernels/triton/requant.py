@@ -214,7 +214,7 @@ def _fp8_layer(w13, w13_scale, input_scales):
 # Launch a layer's requantization through the kernel Triton compiled for it (`compiled`,
 # in the layer's cache entry, by the constexprs that vary between calls): 7 us of host time
 # a launch against 19 us through Triton's launcher, which binds and specializes every
-# argument again (`results/h200/kernels-probe/launch_probe-*.txt`, "[launch]"). What
+# argument again (`results/h200/kernels-probe/launch_probe-0d9c695.txt`, "[launch]"). What
 # Triton specializes on is fixed by the entry (the tensors' addresses, dtypes and shapes)
 # and the sub-key; `first` and `k` are not specialized. FP8_RELOAD_FAST_LAUNCH=0: always
 # through Triton (for an A/B).
