@@ -47,11 +47,14 @@ def _number(call, args, timer) -> int:
 
 
 def _repeat(cls, repeat: int | None) -> tuple[int, int, float]:
-    """(min samples, max samples, seconds after which no sample more starts)."""
-    if repeat is None and isinstance(getattr(cls, "repeat", None), tuple):
-        lo, hi, seconds = cls.repeat
+    """(min samples, max samples, seconds after which no sample more starts), as asv reads
+    a class's ``repeat``: a tuple ``(min, max, max_time)``, or an int n (n samples); 0 or
+    nothing: `REPEAT` here."""
+    asked = getattr(cls, "repeat", 0) if repeat is None else repeat
+    if isinstance(asked, tuple):
+        lo, hi, seconds = asked
         return lo, hi, seconds
-    n = REPEAT if repeat is None else repeat
+    n = asked or REPEAT
     return n, n, math.inf
 
 
@@ -74,7 +77,9 @@ def measure_one(paths: dict, name: str, params: tuple, repeat: int | None = None
         lo, hi, seconds = _repeat(cls, repeat)
         samples: list[float] = []
         start = time.perf_counter()
-        while len(samples) < lo or (len(samples) < hi and time.perf_counter() - start < seconds):
+        # asv: never more than max, at least one, then on until min and until max_time
+        while len(samples) < max(hi, 1) and (len(samples) < max(lo, 1)
+                                             or time.perf_counter() - start < seconds):
             setup(*args)
             t = timer()
             for _ in range(number):

@@ -339,32 +339,29 @@ def test_grouped_figures_are_the_per_process_benchmarks_figures(suite, ran):
         assert sum(bool(re.search(r, f"grouped.{cls}.{track}{shown}")) for r in sel) == 1
 
 
-def test_grouped_samples_as_the_class_repeat_asks(monkeypatch):
-    """`grouped_measure` takes as many samples as a class's ``repeat = (min, max, max_time)``
-    asks asv for (the post-processing asks for up to 20 in 10 s), and `REPEAT` where a
-    class says nothing."""
+@pytest.mark.parametrize("repeat, samples", [
+    ((2, 7, math.inf), 7), ((3, 20, 0.0), 3), (6, 6), ((0, 5, 0.0), 1), ((5, 2, math.inf), 2), (0, None)],
+    ids=["up-to-max", "min-when-out-of-time", "int", "at-least-one", "at-most-max", "zero"])
+def test_grouped_reads_repeat_as_asv_does(monkeypatch, repeat, samples):
+    """`grouped_measure` takes the samples a class's ``repeat`` asks asv for (the
+    post-processing: up to 20 in 10 s): a tuple (min, max, max_time) never gives none nor
+    more than max, an int is that many, 0 means `REPEAT`."""
     import types
 
     gm = importlib.import_module("benchmarks.grouped_measure")
 
-    def bench(repeat=None):
-        class Bench:
-            number = 1
-            warmup_time = 0.0
-            setups = 0
+    class Bench:
+        number = 1
+        warmup_time = 0.0
+        setups = 0
 
-            def setup(self):
-                type(self).setups += 1
+        def setup(self):
+            type(self).setups += 1
 
-            def time_it(self):
-                pass
+        def time_it(self):
+            pass
 
-        if repeat is not None:
-            Bench.repeat = repeat
-        return Bench
-
-    cases = {"AtMost": bench((2, 7, math.inf)), "NoTime": bench((3, 20, 0.0)), "Silent": bench()}
-    monkeypatch.setattr(gm, "MODULES", (types.SimpleNamespace(**cases),))
-    for name, samples in (("AtMost", 7), ("NoTime", 3), ("Silent", gm.REPEAT)):
-        assert gm.measure_one({}, f"{name}.time_it", ())[0] == "ok"
-        assert cases[name].setups == 1 + samples, name  # the first setup, then one per sample
+    Bench.repeat = repeat
+    monkeypatch.setattr(gm, "MODULES", (types.SimpleNamespace(Bench=Bench),))
+    assert gm.measure_one({}, "Bench.time_it", ())[0] == "ok"
+    assert Bench.setups == 1 + (gm.REPEAT if samples is None else samples)

@@ -9,6 +9,8 @@ divides two tensors), so all three agree bit for bit.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -325,3 +327,120 @@ def test_layers_of_other_shapes_never_share_a_compiled_launch(monkeypatch, prepa
             requant.requantize_w13_(got_q, got_s, experts)
             assert_bitwise_equal(want_q, got_q.cpu(), f"w13 {e=} {experts=}")
             assert_bitwise_equal(want_s, got_s.cpu(), f"w13_scale {e=} {experts=}")
+
+
+def test_the_layer_cache_checks_again_what_another_view_of_cached_memory_changes():
+    """The per-layer cache (what `_fp8_layer` checked, and the compiled launches) is keyed
+    by every tensor's address, dtype, shape and strides: a strided input scale or a
+    transposed [E, 2] scale at an address first seen contiguous is refused, as it is with
+    an empty cache."""
+    q, s = (t.to(DEVICE) for t in fp8_w13(4, 16, 32))
+    buf = torch.rand(8, device=DEVICE) + 0.5
+    raw13, a2, raw2 = (torch.rand(4, device=DEVICE) for _ in range(3))
+    cache: dict = {}
+    requant.requantize_w13_(q, s, [0], ((buf[:4], raw13), (a2, raw2)), cache)
+    with pytest.raises(ValueError, match="contiguous"):
+        requant.requantize_w13_(q, s, [1], ((buf[::2], raw13), (a2, raw2)), cache)
+    base = torch.rand(2, 4, device=DEVICE) + 0.1
+    requant.requantize_w13_(q, base.view(4, 2), [0], None, cache)
+    with pytest.raises(ValueError, match="contiguous"):
+        requant.requantize_w13_(q, base.t(), [1], None, cache)
+
+
+def test_experts_or_slots_outside_the_layer_are_refused_before_anything_is_written():
+    """The layer is a view of the first experts of a bigger allocation: an expert (fp8) or
+    a staged slot (bf16) one past its end is refused, as the torch path refuses it, and no
+    byte past the layer changes."""
+    e, inter, hidden = 4, 16, 32
+    q, s = (t.to(DEVICE) for t in fp8_w13(2 * e, inter, hidden))
+    s[:, 0] *= 0.5  # every gate half would move
+    before = q.clone(), s.clone()
+    with pytest.raises(IndexError):
+        requant.requantize_w13_(q[:e], s[:e], [e])
+    big = [t.to(DEVICE) for t in bf16_layer(2 * e, inter, hidden, seed=1)]
+    kept = [t.clone() for t in big]
+    staged = {e: {n: t.to(DEVICE) for n, t in bf16_experts([e], inter, hidden, 2)[e].items()}}
+    with pytest.raises(IndexError):
+        ops.quantize_staged_by_address_(*[t[:e] for t in big], staged, [e])
+    for a, b in zip((*before, *kept), (q, s, *big)):
+        assert_bitwise_equal(a, b, "memory past the layer")
+
+
+def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
+    """Every call that reaches one layer entry's compiled launch under one sub-key binds,
+    in Triton's own binder for an sm_90 target (built without a GPU), to the same
+    specialization (types, 16-byte alignments, constexprs): the kernel compiled at the
+    first launch is the one Triton would pick for each later one."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler.compiler import make_backend
+    from triton.runtime.jit import JITFunction, create_function_from_signature
+
+    fn = getattr(requant._requant_w13_kernel, "fn", requant._requant_w13_kernel)
+    jit = JITFunction(fn, do_not_specialize=["first", "k"])  # as requant declares it
+    backend = make_backend(GPUTarget("cuda", 90, 32))
+    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    seen: dict = {}
+    entries = []  # kept alive: no id reused
+    real = requant._launch
+
+    def launch(compiled, sub, grid, args, dev):
+        entries.append(compiled)
+        seen.setdefault((id(compiled), sub), set()).add(tuple((t, str(v)) for t, v in binder(*args)[1]))
+        real(compiled, sub, grid, args, dev)
+
+    monkeypatch.setattr(requant, "_launch", launch)
+    for e in (16, 64):
+        q, s = (t.to(DEVICE) for t in fp8_w13(e, 16, 32, seed=e))
+        scales = tuple((torch.rand(e, device=DEVICE), torch.rand(e, device=DEVICE)) for _ in range(2))
+        cache: dict = {}
+        for experts in ([0], [1], [15], [e - 1], [3, 4], [0, 1, 2, 3], [5, 2], [e - 1, 0], [1, 9, 4]):
+            for merge in (None, scales):
+                requant.requantize_w13_(q, s, experts, merge, cache)
+    assert seen and all(len(v) == 1 for v in seen.values()), [k for k, v in seen.items() if len(v) > 1]
+
+
+_PTX = """
+import os, re
+os.environ["TRITON_INTERPRET"] = "0"
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from fp8_reload.kernels.triton import requant as R
+
+def ptx(fn, sig, const):
+    sig = {**sig, **{k: "constexpr" for k in const}}
+    return triton.compile(ASTSource(fn, sig, const), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+ptrs = dict(w_ptr="*fp8e4nv", scale_ptr="*fp32", experts_ptr="*i64", first="i32", k="i32", ticket_ptr="*i32",
+            a13_ptr="*fp32", a13_raw_ptr="*fp32", a2_ptr="*fp32", a2_raw_ptr="*fp32")
+kinds = {"requant": ptx(R._requant_w13_kernel, ptrs,
+                        dict(HALF=6144, NUM_E=16, LISTED=True, MERGE_INPUT=True, ITERS=2, BLOCK=4096,
+                             BLOCK_K=4, BLOCK_E=16, EXACT=False)),
+         "quant": ptx(R._expert_quant_kernel, dict(table_ptr="*i64", **{f"a{i}": "i64" for i in range(7)},
+                                                  partial_ptr="*fp32", inv_fp8_max="fp32", min_scale="fp32"),
+                      dict(NUMEL=6144, COLS13=2, ONE=False, ITERS=2, BLOCK=4096, RBLOCK=8, EXACT=False,
+                           ALIGNED=True))}
+for name, text in kinds.items():
+    print(name, sorted(set(re.findall(r"\\bdiv\\.[a-z0-9.]+", text))))
+"""
+
+
+def test_the_kernels_divide_with_ieee_rounding_when_compiled_for_the_h200(tmp_path):
+    """Compiled for sm_90 on this machine (Triton's compiler runs without a GPU): every
+    float32 division of the two kernels that divide is ``div.rn.f32``. Triton 3.6 compiles
+    ``tl.fdiv(..., ieee_rounding=True)`` to the approximate ``div.full.f32``, which put one
+    element in 2M one e4m3 step away from torch's bytes on the H200."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "0", "TRITON_CACHE_DIR": str(tmp_path),
+           "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", _PTX], capture_output=True, text=True, env=env, timeout=300)
+    if out.returncode != 0 and "ptxas" in out.stderr:
+        pytest.skip(f"Triton's ptxas does not run here: {out.stderr[-300:]}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    for line in out.stdout.splitlines():
+        name, found = line.split(" ", 1)
+        assert "div.rn.f32" in found and "div.full" not in found and "div.approx" not in found, line

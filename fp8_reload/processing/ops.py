@@ -183,6 +183,11 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
     on the device are read where they are; others are copied over a chunk at a time.
     Every piece is checked before anything is written."""
     numel = w13.shape[1] // 2 * w13.shape[2]
+    e = w13.shape[0]
+    if w2.shape[0] != e or w13_scale.shape[0] != e or w2_scale.shape[0] != e or w2[0].numel() != numel:
+        raise ValueError("quantize-on-load: w13, w2 and their scales hold other expert counts or sizes")
+    if slots and (min(slots) < 0 or max(slots) >= e):
+        raise IndexError(f"quantize-on-load: expert slots {slots} outside the layer's {e}")
     dev = w13.get_device()
     on_device = True
     bf16 = torch.bfloat16

@@ -24,7 +24,9 @@ tensors, and round-to-nearest-even e4m3 conversion.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 
 import torch
 
@@ -215,26 +217,35 @@ def _fp8_layer(w13, w13_scale, input_scales):
 # in the layer's cache entry, by the constexprs that vary between calls): 7 us of host time
 # a launch against 19 us through Triton's launcher, which binds and specializes every
 # argument again (`results/h200/kernels-probe/launch_probe-0d9c695.txt`, "[launch]"). What
-# Triton specializes on is fixed by the entry (the tensors' addresses, dtypes and shapes)
-# and the sub-key; `first` and `k` are not specialized. FP8_RELOAD_FAST_LAUNCH=0: always
-# through Triton (for an A/B).
+# Triton specializes on is fixed by the entry (the device, the tensors' addresses, dtypes,
+# shapes and strides) and the sub-key; `first` and `k` are not specialized. What Triton
+# reads again on each launch of its own (its debug and instrumentation knobs, pre-run
+# hooks) is read at a layer's first launch of a sub-key only. FP8_RELOAD_FAST_LAUNCH=0:
+# always through Triton (for an A/B); so too after the compiled kernel's `run` refused its
+# arguments once (another Triton's private signature).
 PREPARED = os.environ.get("FP8_RELOAD_FAST_LAUNCH", "1") != "0"
 
 
 def _launch(compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int) -> None:
+    global PREPARED
     kernel = compiled.get(sub) if PREPARED and dev >= 0 else None
     hooks = triton.knobs.runtime if kernel is not None else None
-    if (kernel is None or torch._C._cuda_getDevice() != dev
-            or getattr(hooks.launch_enter_hook, "calls", hooks.launch_enter_hook)
-            or getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook)):
-        # the first launch of these constexprs (or another device current, or a profiler's
-        # launch hooks): through Triton, which compiles and binds
+    if (kernel is not None and torch._C._cuda_getDevice() == dev
+            and not getattr(hooks.launch_enter_hook, "calls", hooks.launch_enter_hook)
+            and not getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook)):
+        try:
+            kernel.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(dev), kernel.function,
+                       kernel.packed_metadata, None, None, None, *args)
+            return
+        except (TypeError, AttributeError) as exc:  # refused before anything was launched
+            PREPARED = False
+            warnings.warn(f"requantization launches go through Triton from now on: {exc}", stacklevel=2)
+    # the first launch of these constexprs (or a profiler's launch hooks): through Triton,
+    # which compiles and binds, on the layer's device (Triton launches on the current one)
+    with torch.cuda.device(dev) if dev >= 0 else contextlib.nullcontext():
         kernel = _requant_w13_kernel[grid](*args)
-        if dev >= 0 and not INTERPRET and torch._C._cuda_getDevice() == dev:
-            compiled[sub] = kernel
-        return
-    kernel.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(dev), kernel.function,
-               kernel.packed_metadata, None, None, None, *args)
+    if dev >= 0 and not INTERPRET:
+        compiled[sub] = kernel
 
 
 def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[int],
@@ -252,10 +263,14 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
         return
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
-    # what `_fp8_layer` checked: another tensor at a cached address is checked again
-    key = (merge, w13.stride(), *((t.data_ptr(), t.dtype, t.shape) for t in (w13, w13_scale, a13, a13_raw,
-                                                                            a2, a2_raw)))
+    # what `_fp8_layer` checked: another tensor at a cached address (or another device, or
+    # the same memory seen through other strides) is checked again
+    dev = w13.get_device()
+    key = (merge, dev, *((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (w13, w13_scale, a13, a13_raw,
+                                                                                a2, a2_raw)))
     ticket, half, e_all, compiled = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
+    if min(experts) < 0 or max(experts) >= e_all:
+        raise IndexError(f"requantize_w13_: experts {experts} outside the layer's {e_all}")
     first = int(experts[0])
     listed = k > 1 and experts != list(range(first, first + k))
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
@@ -265,7 +280,7 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     args = (w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, half, e_all, listed, merge,
             iters, BLOCK, block_k, next_pow2(e_all), EXACT)
     try:
-        _launch(compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, w13.get_device())
+        _launch(compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, dev)
     except BaseException:  # a launch cut short may leave its ticket counter non-zero, which would
         (_LAYERS if cache is None else cache).pop(key, None)  # break every later launch's "last
         raise  # program": a new one
