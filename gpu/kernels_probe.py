@@ -29,7 +29,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+if str(Path(__file__).resolve().parents[1]) not in sys.path:  # (kept where an importer put it)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import fp8_reload as fr  # noqa: E402
 from fp8_reload.kernels.scales import cached_kernel_scales  # noqa: E402

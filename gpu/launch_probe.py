@@ -134,9 +134,9 @@ def profile_top(state, n=300, top=18) -> str:
     return out.getvalue()
 
 
-def prepared_ab(state, n: int = 300) -> None:
-    """The same call with the requantization launched through its compiled kernel and
-    through Triton's launcher, alternating call by call (host drift cancels): medians."""
+def prepared_ab(state, kind: str, n: int = 300) -> None:
+    """The same call with the processing kernels launched through their compiled kernels
+    and through Triton's launcher, alternating call by call (host drift cancels): medians."""
     from fp8_reload.kernels.triton import requant
 
     if not hasattr(requant, "PREPARED"):
@@ -152,8 +152,54 @@ def prepared_ab(state, n: int = 300) -> None:
         times[requant.PREPARED].append(time.perf_counter() - t0)
     requant.PREPARED = True
     on, off = (statistics.median(times[v]) * 1e6 for v in (True, False))
-    print(f"[prepared] fp8 one expert to the sync, alternating: {on:.1f} us through the compiled kernel, "
+    print(f"[prepared] {kind} one expert to the sync, alternating: {on:.1f} us through the compiled kernel, "
           f"{off:.1f} us through Triton's launcher (medians of {n})", flush=True)
+
+
+def _to_sync(prepare, call, sync, n: int = 300) -> float:
+    """Median host us of `call` then `sync`, each after `prepare` and a synchronize."""
+    times = []
+    for _ in range(n):
+        prepare()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e6
+
+
+def after_restore(state) -> None:
+    """Where the one-expert figure's time beyond a bare launch goes: the same call after
+    the fixture's whole-layer restore, after putting back only the expert's own bytes,
+    and on the processed layer (the same launch, nothing moved), each ended by
+    `torch.cuda.synchronize`, by `fp8_reload.device.synchronize` and by the raw call."""
+    from fp8_reload.device import synchronize
+
+    layer = state.layer
+    state.restore()
+    w13, s13 = layer.w13_weight.data, layer.w13_weight_scale.data
+    a13, a2 = layer.w13_input_scale.data, layer.w2_input_scale.data
+    saved = [t.clone() for t in (w13[0], s13, a13, a2)]
+    loaded = set(layer.loaded_experts)
+
+    def light():
+        for t, v in zip((w13[0], s13, a13, a2), saved):
+            t.copy_(v)
+        layer.loaded_experts = set(loaded)
+
+    def again():
+        layer.loaded_experts = set(loaded)
+
+    syncs = {"torch.cuda.synchronize": torch.cuda.synchronize, "device.synchronize": synchronize,
+             "torch._C._cuda_synchronize": torch._C._cuda_synchronize}
+    for name, fn in syncs.items():
+        print(f"[sync] {name}, idle: {_to_sync(lambda: None, lambda: None, fn):.1f} us", flush=True)
+    for label, prepare in (("whole-layer restore", state.restore), ("expert-only restore", light),
+                           ("processed layer", again)):
+        cells = [f"{name} {_to_sync(prepare, state.process, fn):.1f}" for name, fn in syncs.items()]
+        print(f"[after] fp8 one expert after {label}, us to the sync: " + ", ".join(cells), flush=True)
+    state.restore()
 
 
 def processing(root: Path) -> None:
@@ -167,8 +213,10 @@ def processing(root: Path) -> None:
             print(f"[process] {kind} {scope}: {host:.1f} us to the sync (events {dev:.1f} us); back to back "
                   f"{b2b:.1f} us host per call, {py:.1f} us of it with no launch", flush=True)
             print(profile_top(state), flush=True)
+            if scope == "one":
+                prepared_ab(state, kind)
             if kind == "fp8" and scope == "one":
-                prepared_ab(state)
+                after_restore(state)
         UnprocessedLayer._cache.clear()
         torch.cuda.empty_cache()
 

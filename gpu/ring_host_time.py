@@ -1,16 +1,21 @@
 """Where a ring reload's commit thread spends its time, per chunk (issue 13's first reload).
 
-    python3 gpu/ring_host_time.py CKPT_DIR [first|ring]
+    python3 gpu/ring_host_time.py CKPT_DIR [first|ring|repeated] [--profile]
 
 `first`: each reload a first reload (new stamps: parsed, values checked, read through the
-ring); `ring`: repeated reloads with registration off (the ring alone). The 4th of 4 reloads
-is reported: its phases, and the host time of `_land` (one chunk queued) and of its calls.
+ring); `ring`: repeated reloads with registration off (the ring alone); `repeated`: repeated
+reloads as they run by default (registered shards). The 4th of 4 reloads is reported: its
+phases, and the host time of `_land` (one chunk queued) and of its calls; `--profile`: also
+the top of a cProfile of it (what the host does before the first copy and after the last).
 Run it from another tree's root (its `fp8_reload` first on `sys.path`) to compare commits
 in one run.
 """
 
 import collections
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import time
@@ -39,7 +44,9 @@ def timed(name, fn):
 
 
 def main() -> None:
-    path, mode = sys.argv[1], (sys.argv[2] if len(sys.argv) > 2 else "first")
+    args = [a for a in sys.argv[1:] if a != "--profile"]
+    path, mode = args[0], (args[1] if len(args) > 1 else "first")
+    prof = cProfile.Profile() if "--profile" in sys.argv else None
     files = io_paths.shard_files(path)
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)
@@ -48,21 +55,30 @@ def main() -> None:
     copy_rows.launch_rows_ = timed("launch_rows", copy_rows.launch_rows_)
     if mode == "ring":
         to_device.REGISTER = "never"
-    for _ in range(4):
+    for i in range(4):
         acc.clear()
         if mode == "first":
             io_paths.touch(files)
         torch.cuda.synchronize()
+        if prof is not None and i == 3:
+            prof.enable()
         t0 = time.perf_counter()
         report = fr.update_weights_from_disk(model, path)
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.disable()
     calls = "; ".join(f"{k} x{len(v)} {sum(v) * 1e3:.1f} ms (median {statistics.median(v) * 1e6:.0f} us, "
                       f"max {max(v) * 1e6:.0f} us)" for k, v in acc.items())
     phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in report.seconds.items())
     ring = held(model).get("ring")
     readers = "processes" if getattr(ring, "shared", None) is not None else "threads"
     print(f"[{mode}, {readers}] wall {wall * 1e3:.1f} ms: {phases}\n   {calls}", flush=True)
+    if prof is not None:  # (the wall above is the profiled reload's: slower than without)
+        for key in ("cumulative", "tottime"):
+            out = io.StringIO()
+            pstats.Stats(prof, stream=out).sort_stats(key).print_stats(35)
+            print(out.getvalue(), flush=True)
 
 
 if __name__ == "__main__":

@@ -226,12 +226,12 @@ def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
     launches: list = []
     for name in ("_requant_w13_kernel", "_expert_amax_kernel", "_expert_quant_kernel"):
         monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
-    real_launch = requant._launch  # fp8: the compiled kernel's own launches too
+    real_launch = requant._launch  # the compiled kernels' own launches too
 
-    def launch(compiled, sub, grid, args, dev):
+    def launch(kernel, compiled, sub, grid, args, dev):
         if sub in compiled:
-            launches.append("_requant_w13_kernel (compiled)")
-        real_launch(compiled, sub, grid, args, dev)
+            launches.append(f"{kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} (compiled)")
+        real_launch(kernel, compiled, sub, grid, args, dev)
 
     monkeypatch.setattr(requant, "_launch", launch)
     monkeypatch.setattr(ops, "on_triton", lambda t: True)
@@ -375,18 +375,22 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
     from triton.compiler.compiler import make_backend
     from triton.runtime.jit import JITFunction, create_function_from_signature
 
-    fn = getattr(requant._requant_w13_kernel, "fn", requant._requant_w13_kernel)
-    jit = JITFunction(fn, do_not_specialize=["first", "k"])  # as requant declares it
     backend = make_backend(GPUTarget("cuda", 90, 32))
-    binder = create_function_from_signature(jit.signature, jit.params, backend)
+    binders = {}
+    for kernel, fixed in ((requant._requant_w13_kernel, ["first", "k"]),  # as requant declares them
+                          (requant._expert_amax_kernel, requant.ADDRESSES),
+                          (requant._expert_quant_kernel, requant.ADDRESSES)):
+        jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=fixed)
+        binders[jit.fn.__name__] = create_function_from_signature(jit.signature, jit.params, backend)
     seen: dict = {}
     entries = []  # kept alive: no id reused
     real = requant._launch
 
-    def launch(compiled, sub, grid, args, dev):
+    def launch(kernel, compiled, sub, grid, args, dev):
+        binder = binders[getattr(kernel, "fn", kernel).__name__]
         entries.append(compiled)
         seen.setdefault((id(compiled), sub), set()).add(tuple((t, str(v)) for t, v in binder(*args)[1]))
-        real(compiled, sub, grid, args, dev)
+        real(kernel, compiled, sub, grid, args, dev)
 
     monkeypatch.setattr(requant, "_launch", launch)
     for e in (16, 64):
@@ -396,6 +400,20 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
         for experts in ([0], [1], [15], [e - 1], [3, 4], [0, 1, 2, 3], [5, 2], [e - 1, 0], [1, 9, 4]):
             for merge in (None, scales):
                 requant.requantize_w13_(q, s, experts, merge, cache)
+    # bf16 experts, one and several, into layers of two shapes, both scale layouts, pieces on
+    # 16 bytes and off them (what `aligned` tells the kernels)
+    for e, inter, cols, off in ((4, 16, 2, 0), (4, 16, 1, 0), (4, 16, 2, 1), (8, 32, 1, 0)):
+        w13 = torch.zeros(e, 2 * inter, 32, dtype=FP8_DTYPE, device=DEVICE)
+        w2 = torch.zeros(e, 32, inter, dtype=FP8_DTYPE, device=DEVICE)
+        s13, s2 = torch.ones(e, cols, device=DEVICE), torch.ones(e, device=DEVICE)
+        staged = {}
+        for s, pieces in bf16_experts(range(e), inter, 32, e).items():
+            staged[s] = {}
+            for n, t in pieces.items():
+                buf = torch.empty(t.numel() + off, dtype=t.dtype, device=DEVICE)
+                staged[s][n] = buf[off:].view(t.shape).copy_(t)
+        for slots in ([0], [1], [e - 1], [0, 1], [2, 0, 3]):
+            ops.quantize_staged_by_address_(w13, s13, w2, s2, staged, slots)
     assert seen and all(len(v) == 1 for v in seen.values()), [k for k, v in seen.items() if len(v) > 1]
 
 

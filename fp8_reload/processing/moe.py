@@ -123,18 +123,21 @@ class FixedFp8MoEMethod(_MoEMethodBase):
         return sorted(layer.loaded_experts)
 
     def process_weights_after_loading(self, layer) -> None:
+        # the Parameters themselves (no `.data` views, no `Module.__getattr__`): one reloaded
+        # expert's processing is a few microseconds of host time in all
+        params, buffers = layer._parameters, layer._buffers
         if self.fp8_checkpoint:
-            process_fp8_experts_(layer.w13_weight.data, layer.w13_weight_scale.data, self._scope(layer),
+            process_fp8_experts_(params["w13_weight"], params["w13_weight_scale"], self._scope(layer),
                                  layer.intermediate_size,
-                                 ((layer.w13_input_scale.data, layer.w13_input_scale_per_expert),
-                                  (layer.w2_input_scale.data, layer.w2_input_scale_per_expert)),
+                                 ((params["w13_input_scale"], buffers["w13_input_scale_per_expert"]),
+                                  (params["w2_input_scale"], buffers["w2_input_scale_per_expert"])),
                                  cache=layer.__dict__.setdefault("requant_cache", {}))
         else:
             incomplete = sorted(s for s, pieces in layer.staged.items() if set(pieces) != {"w1", "w2", "w3"})
             if incomplete:
                 raise RuntimeError(f"quantize-on-load: experts {incomplete} were loaded only in part")
-            quantize_staged_experts_(layer.w13_weight.data, layer.w13_weight_scale.data,
-                                     layer.w2_weight.data, layer.w2_weight_scale.data, layer.staged)
+            quantize_staged_experts_(params["w13_weight"], params["w13_weight_scale"], params["w2_weight"],
+                                     params["w2_weight_scale"], layer.staged)
             layer.staged.clear()
         layer.loaded_experts.clear()
         _new_weights_version(layer)

@@ -135,7 +135,12 @@ def _pointer(address, dtype: tl.constexpr, ALIGNED: tl.constexpr):
     return p
 
 
-@triton.jit
+# the addresses a0..a6 are not specialized (their alignment is the ALIGNED constexpr): one
+# compiled kernel serves every expert (`_launch`)
+ADDRESSES = [f"a{i}" for i in range(7)]
+
+
+@triton.jit(do_not_specialize=ADDRESSES)
 def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUMEL: tl.constexpr,
                         ONE: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Program (i, j, p): the amax of blocks p*ITERS.. of piece j (gate, up, down) of
@@ -151,7 +156,7 @@ def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUME
     tl.store(partial_ptr + slot, tl.max(amax, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=ADDRESSES)
 def _expert_quant_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, inv_fp8_max, min_scale,
                          NUMEL: tl.constexpr, COLS13: tl.constexpr, ONE: tl.constexpr, ITERS: tl.constexpr,
                          BLOCK: tl.constexpr, RBLOCK: tl.constexpr, EXACT: tl.constexpr,
@@ -213,39 +218,44 @@ def _fp8_layer(w13, w13_scale, input_scales):
     return torch.zeros(1, dtype=torch.int32, device=w13.device), rows // 2 * hidden, e_all, {}
 
 
-# Launch a layer's requantization through the kernel Triton compiled for it (`compiled`,
-# in the layer's cache entry, by the constexprs that vary between calls): 7 us of host time
-# a launch against 19 us through Triton's launcher, which binds and specializes every
-# argument again (`results/h200/kernels-probe/launch_probe-0d9c695.txt`, "[launch]"). What
-# Triton specializes on is fixed by the entry (the device, the tensors' addresses, dtypes,
-# shapes and strides) and the sub-key; `first` and `k` are not specialized. What Triton
-# reads again on each launch of its own (its debug and instrumentation knobs, pre-run
-# hooks) is read at a layer's first launch of a sub-key only. FP8_RELOAD_FAST_LAUNCH=0:
-# always through Triton (for an A/B); so too after the compiled kernel's `run` refused its
-# arguments once (another Triton's private signature).
+# Launch a kernel through what Triton compiled for it (`compiled`, by the constexprs and
+# argument types that vary between calls: the sub-key): 7 us of host time a launch against
+# 19 us through Triton's launcher, which binds and specializes every argument again
+# (`results/h200/kernels-probe/launch_probe-0d9c695.txt`, "[launch]"). The requantization
+# keeps its compiled kernels in the layer's cache entry, which fixes what Triton
+# specializes on (the device, the tensors' addresses, dtypes, shapes and strides); `first`
+# and `k` are not specialized. The bf16 quantization passes fresh scratch tensors and
+# addresses as integers that are not specialized, so its sub-key holds the rest (the
+# device, the constexprs, the integers' width). What Triton reads again on each launch of
+# its own (its debug and instrumentation knobs, pre-run hooks) is read at the first launch
+# of a sub-key only. FP8_RELOAD_FAST_LAUNCH=0: always through Triton (for an A/B); so too
+# after a compiled kernel's `run` refused its arguments once (another Triton's private
+# signature).
 PREPARED = os.environ.get("FP8_RELOAD_FAST_LAUNCH", "1") != "0"
 
 
-def _launch(compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int) -> None:
+def _launch(kernel, compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int) -> None:
     global PREPARED
-    kernel = compiled.get(sub) if PREPARED and dev >= 0 else None
-    hooks = triton.knobs.runtime if kernel is not None else None
-    if (kernel is not None and torch._C._cuda_getDevice() == dev
+    run = compiled.get(sub) if PREPARED and dev >= 0 else None
+    hooks = triton.knobs.runtime if run is not None else None
+    if (run is not None and torch._C._cuda_getDevice() == dev
             and not getattr(hooks.launch_enter_hook, "calls", hooks.launch_enter_hook)
             and not getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook)):
         try:
-            kernel.run(grid[0], grid[1], 1, torch._C._cuda_getCurrentRawStream(dev), kernel.function,
-                       kernel.packed_metadata, None, None, None, *args)
+            run.run(*grid, *(1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(dev), run.function,
+                    run.packed_metadata, None, None, None, *args)
             return
         except (TypeError, AttributeError) as exc:  # refused before anything was launched
             PREPARED = False
-            warnings.warn(f"requantization launches go through Triton from now on: {exc}", stacklevel=2)
-    # the first launch of these constexprs (or a profiler's launch hooks): through Triton,
-    # which compiles and binds, on the layer's device (Triton launches on the current one)
+            warnings.warn(f"processing launches go through Triton from now on: {exc}", stacklevel=3)
+    # the first launch of this sub-key (or a profiler's launch hooks): through Triton, which
+    # compiles and binds, on the tensors' device (Triton launches on the current one)
     with torch.cuda.device(dev) if dev >= 0 else contextlib.nullcontext():
-        kernel = _requant_w13_kernel[grid](*args)
-    if dev >= 0 and not INTERPRET:
-        compiled[sub] = kernel
+        run = kernel[grid](*args)
+    if sub is not None and dev >= 0 and not INTERPRET:
+        if len(compiled) > 1024:
+            compiled.clear()
+        compiled[sub] = run
 
 
 def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[int],
@@ -280,7 +290,7 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     args = (w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, half, e_all, listed, merge,
             iters, BLOCK, block_k, next_pow2(e_all), EXACT)
     try:
-        _launch(compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, dev)
+        _launch(_requant_w13_kernel, compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, dev)
     except BaseException:  # a launch cut short may leave its ticket counter non-zero, which would
         (_LAYERS if cache is None else cache).pop(key, None)  # break every later launch's "last
         raise  # program": a new one
@@ -310,12 +320,24 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
     # checkpoint may not: then every element moves on its own
     aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
-    _expert_amax_kernel[grid](table, *args, partial, NUMEL=numel, ONE=one, ITERS=iters, BLOCK=BLOCK,
-                              ALIGNED=aligned)
-    _expert_quant_kernel[grid](table, *args, partial, INV_FP8_MAX, MIN_SCALE, NUMEL=numel, COLS13=cols13,
-                               ONE=one, ITERS=iters, BLOCK=BLOCK,
-                               RBLOCK=min(1024, next_pow2(2 * p_all)),
-                               EXACT=EXACT, ALIGNED=aligned)
+    # Triton types an integer by its width (i32 below 2**31, else i64): part of the sub-key;
+    # addresses of both widths at once (no device gives those) are never cached
+    lo, hi = min(args), max(args)
+    wide = True if lo >= 1 << 31 and hi < 1 << 63 else False if 0 <= lo and hi < 1 << 31 else None
+    dev = partial.get_device()
+    sub = (dev, numel, cols13, one, iters, BLOCK, EXACT, aligned, wide) if wide is not None else None
+    rblock = min(1024, next_pow2(2 * p_all))
+    amax_args = (table, *args, partial, numel, one, iters, BLOCK, aligned)
+    quant_args = (table, *args, partial, INV_FP8_MAX, MIN_SCALE, numel, cols13, one, iters, BLOCK, rblock,
+                  EXACT, aligned)
+    _launch(_expert_amax_kernel, _BF16_AMAX, sub, grid, amax_args, dev)
+    _launch(_expert_quant_kernel, _BF16_QUANT, sub, grid, quant_args, dev)
+
+
+# The bf16 quantization's compiled kernels by sub-key: a handful (a layer shape, one expert
+# or more, the blocks per program), the number held bounded as a layer's are.
+_BF16_AMAX: dict = {}
+_BF16_QUANT: dict = {}
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]
