@@ -366,6 +366,14 @@ def test_experts_or_slots_outside_the_layer_are_refused_before_anything_is_writt
         assert_bitwise_equal(a, b, "memory past the layer")
 
 
+def _not_specialized(kernel) -> list[str]:
+    """The arguments a kernel's ``triton.jit`` declares ``do_not_specialize`` (interpreted
+    or compiled), by name."""
+    kwargs = getattr(kernel, "kwargs", None)  # the interpreter keeps what jit was given
+    declared = kwargs.get("do_not_specialize") if kwargs is not None else kernel.do_not_specialize
+    return [kernel.arg_names[a] if isinstance(a, int) else a for a in declared or ()]
+
+
 def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
     """Every call that reaches one layer entry's compiled launch under one sub-key binds,
     in Triton's own binder for an sm_90 target (built without a GPU), to the same
@@ -377,11 +385,10 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
 
     backend = make_backend(GPUTarget("cuda", 90, 32))
     binders = {}
-    for kernel, fixed in ((requant._requant_w13_kernel, ["first", "k"]),  # as requant declares them
-                          (requant._expert_amax_kernel, requant.ADDRESSES),
-                          (requant._expert_quant_kernel, requant.ADDRESSES)):
-        jit = JITFunction(getattr(kernel, "fn", kernel), do_not_specialize=fixed)
+    for kernel in (requant._requant_w13_kernel, requant._expert_amax_kernel, requant._expert_quant_kernel):
+        jit = JITFunction(kernel.fn, do_not_specialize=_not_specialized(kernel))  # as requant declares it
         binders[jit.fn.__name__] = create_function_from_signature(jit.signature, jit.params, backend)
+    assert _not_specialized(requant._expert_amax_kernel) == requant.ADDRESSES
     seen: dict = {}
     entries = []  # kept alive: no id reused
     real = requant._launch

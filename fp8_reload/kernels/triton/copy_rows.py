@@ -20,7 +20,7 @@ from typing import NamedTuple
 
 import torch
 
-from .runtime import INTERPRET, check_device, device_ints, tl, triton
+from .runtime import INTERPRET, check_device, device_ints, owners, tl, triton
 
 WORDS = 4096  # 32-bit words (16 KiB) per block
 BLOCK_BYTES = 4 * WORDS
@@ -83,7 +83,7 @@ def row_table(src: torch.Tensor, dst: torch.Tensor, nbytes: torch.Tensor, device
     blocks = (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES
     span = max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # blocks per program
     per = (blocks + span - 1) // span
-    owner = torch.repeat_interleave(torch.arange(n), per)
+    owner = owners(per)
     words = (src % 4 == 0) & (dst % 4 == 0) & (nbytes % 4 == 0)
     aligned = words.long() + (words & (src % 16 == 0) & (dst % 16 == 0)).long()
     table = device_ints(torch.cat([src, dst, nbytes, aligned, per.cumsum(0) - per, owner]), device)

@@ -321,7 +321,9 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     # checkpoint may not: then every element moves on its own
     aligned = numel % 16 == 0 and all(a % 16 == 0 for row in rows for a in row[:5])
     # Triton types an integer by its width (i32 below 2**31, else i64): part of the sub-key;
-    # addresses of both widths at once (no device gives those) are never cached
+    # addresses of both widths at once (no device gives those) are never cached. The two
+    # tensors are fresh allocations (256-byte aligned): Triton's alignment specialization
+    # of them never varies, so it is not in the sub-key.
     lo, hi = min(args), max(args)
     wide = True if lo >= 1 << 31 and hi < 1 << 63 else False if 0 <= lo and hi < 1 << 31 else None
     dev = partial.get_device()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
 import torch
 
 from ...errors import BackendUnavailable
@@ -65,6 +66,15 @@ def pow2(n: int, lo: int = 16, hi: int = 128) -> int:
 def launch_opts(cfg: dict) -> dict:
     """Compile options of a tile config; the interpreter takes none."""
     return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+
+
+def owners(per: torch.Tensor) -> torch.Tensor:
+    """``[0] * per[0] + [1] * per[1] + ...`` (int64, host): which row each program of a
+    launch serves. Built in numpy: torch's CPU ``repeat_interleave`` runs on its thread
+    pool whatever the size, and a pool woken while a reload's reader threads hold the cores
+    cost each chunk of a bf16 first reload ~3 ms on the H200 host (x100 a reload,
+    `results/h200/reload-engine/trace-57009e6.md`)."""
+    return torch.from_numpy(np.repeat(np.arange(per.numel(), dtype=np.int64), per.numpy()))
 
 
 def device_ints(values, device) -> torch.Tensor:

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from .runtime import check_device, device_ints, tl, triton
+from .runtime import check_device, device_ints, owners, tl, triton
 
 # dtype -> (bytes per element, exponent bits of one element)
 EXPONENT = {torch.float8_e4m3fn: (1, 0x7F), torch.float8_e5m2: (1, 0x7C),
@@ -121,7 +121,7 @@ class ValueTable:
         blocks = (words + BLOCK - 1) // BLOCK
         self.span = BLOCK * max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # bounds the owner table
         per = (words + self.span - 1) // self.span
-        owner = torch.repeat_interleave(torch.arange(self.n), per)
+        owner = owners(per)
         self.programs = owner.numel()
         columns = torch.tensor([ptrs, masks, codes], dtype=torch.int64).view(3, -1)
         table = torch.cat([columns[0], words, columns[1], columns[2], per.cumsum(0) - per, owner])
