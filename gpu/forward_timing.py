@@ -16,7 +16,7 @@ import torch
 
 import fp8_reload as fr
 from fp8_reload.testing import routed_tokens, synthetic_moe_layer
-from fp8_reload.testing.bench import cuda_time_ms
+from fp8_reload.testing.bench import cuda_time_ms, host_time_per_call
 
 
 def main() -> None:
@@ -31,12 +31,7 @@ def main() -> None:
         for _ in range(10):
             fn()
         events = cuda_time_ms(fn, 100, warmup=5)
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(200):
-            fn()
-        torch.cuda.synchronize()
-        queued = (time.perf_counter() - t) / 200 * 1e3
+        queued = host_time_per_call(fn, 200, to_sync=True) * 1e3
         each, idle = [], []
         for n, pause, out in ((200, 0.0, each), (20, 0.05, idle)):
             for _ in range(n):

@@ -38,6 +38,7 @@ from fp8_reload.kernels.triton import default_config, fused_moe  # noqa: E402
 from fp8_reload.testing import (  # noqa: E402
     capture_graph,
     cuda_time_ms,
+    host_time_per_call,
     moe_bytes,
     moe_flop,
     roofline_ms,
@@ -92,14 +93,7 @@ def launch_overhead(rows: list) -> None:
 
     x = torch.zeros(1024, device="cuda")
     for name, fn in (("triton", lambda: _nop[(1,)](x, 1024, BLOCK=1024)), ("torch", lambda: x.add_(0))):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(2000):
-            fn()
-        us = (time.perf_counter() - t0) / 2000 * 1e6
-        torch.cuda.synchronize()
+        us = host_time_per_call(fn, 2000, warmup=50) * 1e6
         rows.append({"what": "launch", "impl": name, "host_us_per_launch": round(us, 2)})
         print(f"[probe] launch {name}: {us:.2f} us host per launch", flush=True)
 
@@ -112,12 +106,7 @@ def forward(rows: list) -> None:
         fn = functools.partial(fr.kernels.run_moe, layer, x, w, ids, backend="triton")
         fn()
         eager = cuda_time_ms(fn, 50, warmup=5)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(50):
-            fn()
-        host = (time.perf_counter() - t0) / 50 * 1e3
-        torch.cuda.synchronize()
+        host = host_time_per_call(fn, 50) * 1e3
         graph, _ = capture_graph(fn)
         replay = cuda_time_ms(graph.replay, 50, warmup=5)
         limit = roofline_ms(moe_bytes(cfg, ids), moe_flop(cfg, tokens))

@@ -47,7 +47,7 @@ import fp8_reload as fr  # noqa: E402
 from benchmarks.common import UnprocessedLayer  # noqa: E402
 from fp8_reload.kernels.triton.runtime import tl, triton  # noqa: E402
 from fp8_reload.processing import ops  # noqa: E402
-from fp8_reload.testing import capture_graph  # noqa: E402
+from fp8_reload.testing import capture_graph, host_time_per_call  # noqa: E402
 
 
 def synced_us(fn, n=500) -> float:
@@ -62,15 +62,7 @@ def synced_us(fn, n=500) -> float:
 
 
 def b2b_us(fn, n=2000) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        fn()
-    us = (time.perf_counter() - t0) / n * 1e6
-    torch.cuda.synchronize()
-    return us
+    return host_time_per_call(fn, n, warmup=20) * 1e6
 
 
 @triton.jit

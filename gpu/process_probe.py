@@ -38,6 +38,7 @@ from kernels_probe import launch_overhead  # noqa: E402
 
 import fp8_reload as fr  # noqa: E402
 from benchmarks.common import UnprocessedLayer  # noqa: E402
+from fp8_reload.testing import host_time_per_call  # noqa: E402
 
 
 def per_call(state, n=200) -> tuple[float, float]:
@@ -71,13 +72,7 @@ def back_to_back(state, n=500) -> float:
             layer.staged = {s: dict(p) for s, p in staged.items()}
         state.process()
 
-    again()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(n):
-        again()
-    torch.cuda.synchronize()
-    us = (time.perf_counter() - t0) / n * 1e6
+    us = host_time_per_call(again, n, warmup=1) * 1e6
     state.restore()
     return us
 

@@ -365,3 +365,23 @@ def test_grouped_reads_repeat_as_asv_does(monkeypatch, repeat, samples):
     monkeypatch.setattr(gm, "MODULES", (types.SimpleNamespace(Bench=Bench),))
     assert gm.measure_one({}, "Bench.time_it", ())[0] == "ok"
     assert Bench.setups == 1 + (gm.REPEAT if samples is None else samples)
+
+
+def test_host_time_per_call_counts_the_final_synchronize_only_when_asked(monkeypatch):
+    """`host_time_per_call`: the loop's time per call (warm-up calls not counted), the
+    synchronize that ends it only with ``to_sync``."""
+    import time
+
+    from fp8_reload.testing import bench
+
+    calls, syncs = [], []
+    monkeypatch.setattr(bench, "synchronize", lambda: (syncs.append(1), time.sleep(0.05)))
+
+    def fn():
+        calls.append(1)
+        time.sleep(0.002)
+
+    host = bench.host_time_per_call(fn, 5, warmup=2)
+    assert len(calls) == 7 and len(syncs) == 2
+    assert 0.002 <= host < 0.002 + 0.05 / 5  # the final synchronize (50 ms) is not in it
+    assert bench.host_time_per_call(fn, 5, to_sync=True) >= 0.002 + 0.05 / 5

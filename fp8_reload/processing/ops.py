@@ -189,23 +189,29 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
     if slots and (min(slots) < 0 or max(slots) >= e):
         raise IndexError(f"quantize-on-load: expert slots {slots} outside the layer's {e}")
     dev = w13.get_device()
-    on_device = True
     bf16 = torch.bfloat16
+    row = expert_rows(w13, w13_scale, w2, w2_scale)
+    rows, on_device = [], True  # one pass: a layer's 64 experts are 192 pieces to check
     for s in slots:
-        for t in staged[s].values():
+        p = staged[s]
+        gate, up, down = p["w1"], p["w3"], p["w2"]
+        for t in (gate, up, down):
             if t.dtype is not bf16 or t.numel() != numel or not t.is_contiguous():
                 raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size or dtype")
-            on_device = on_device and t.get_device() == dev
-    row = expert_rows(w13, w13_scale, w2, w2_scale)
+            if t.get_device() != dev:
+                on_device = False
+        rows.append(row(s, (gate.data_ptr(), up.data_ptr(), down.data_ptr())))
     cols = w13_scale.numel() // w13_scale.shape[0]
-    step = len(slots) if on_device else max(1, CHUNK_BYTES // (3 * numel * 2))
+    if on_device:  # read where they are: one chunk
+        _requant().quantize_experts_(w13.device, numel, cols, rows)
+        return
+    step = max(1, CHUNK_BYTES // (3 * numel * 2))
     for i in range(0, len(slots), step):
         rows, copies = [], []
         for s in slots[i:i + step]:
-            p = staged[s]
-            if not on_device:  # kept (`copies`) until the kernels are queued behind them
-                p = {n: t.to(w13.device, non_blocking=True) for n, t in p.items()}
-                copies.append(p)
+            # kept (`copies`) until the kernels are queued behind them
+            p = {n: t.to(w13.device, non_blocking=True) for n, t in staged[s].items()}
+            copies.append(p)
             rows.append(row(s, (p["w1"].data_ptr(), p["w3"].data_ptr(), p["w2"].data_ptr())))
         _requant().quantize_experts_(w13.device, numel, cols, rows)
 

@@ -14,6 +14,7 @@ from .bench import (
                     capture_graph,
                     cuda_time_ms,
                     flush_l2,
+                    host_time_per_call,
                     interleaved_ms,
                     kernel_time_ms,
                     roofline_ms,
@@ -24,5 +25,5 @@ from .workloads import moe_bytes, moe_flop, routed_tokens, synthetic_moe_layer, 
 
 __all__ = ["H200_FP8_FLOP_PER_S", "H200_HBM_BYTES_PER_S", "assert_bitwise_equal", "calc_diff",
            "capture_graph", "count_bytes", "cuda_time_ms", "first_difference", "flush_l2",
-           "interleaved_ms", "kernel_time_ms", "moe_bytes", "moe_flop", "roofline_ms",
+           "host_time_per_call", "interleaved_ms", "kernel_time_ms", "moe_bytes", "moe_flop", "roofline_ms",
            "routed_tokens", "synchronize", "synthetic_moe_layer", "tflops", "v2_lite_moe"]

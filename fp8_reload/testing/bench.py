@@ -53,6 +53,22 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
     return statistics.median(s.elapsed_time(e) for s, e in pairs)
 
 
+def host_time_per_call(fn: Callable[[], object], n: int, warmup: int = 0, to_sync: bool = False) -> float:
+    """Seconds per call of `fn` called `n` times back to back, the device synchronized before
+    the calls and after them, not between: the host's cost of a call when the device never
+    makes it wait. `to_sync`: the final synchronize counted too (the device's pace, when it
+    is the slower)."""
+    for _ in range(warmup):
+        fn()
+    synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    host = time.perf_counter() - t0
+    synchronize()
+    return (time.perf_counter() - t0 if to_sync else host) / n
+
+
 def capture_graph(fn: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
     """(graph, output) with `fn` captured after a warm-up on a side stream; replay the graph
     to rerun `fn` with no CPU work (how engines run decode-sized MoE layers)."""
