@@ -41,7 +41,12 @@ def kind_of(ev) -> str:
 
 
 def summarize(prof, label: str, wall_ms: float, lines: list[str]) -> None:
-    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    # (the profiler also puts each host range, e.g. "fp8_reload/ring", on the device timeline
+    # of the streams it queued work on, spanning it all: not device work. Counted as kernels
+    # up to e03fb49, they made the writes stream look busy throughout: its copy_rows launches
+    # take 1.1-1.4 ms a reload, results/h200/reload-engine/copy_rows_probe-e03fb49.txt)
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA
+              and not getattr(e, "is_user_annotation", False) and not e.name.startswith("fp8_reload/")]
     host = [e for e in prof.events() if e.device_type != torch.autograd.DeviceType.CUDA]
     lines.append(f"## {label}: wall {wall_ms:.2f} ms")
     if not events:

@@ -92,8 +92,10 @@ class ReaderProcs:
                                                pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL))
             theirs.close()
             self.socks.append(ours)
-        # per process, in the order asked: [req, chunk, piece, answer or None]
+        # per process, in the order asked: [req, chunk, piece, answer or None]; the answers
+        # come in that order, so the unanswered ones (`owed`) are the last of its deque
         self.pending: list[collections.deque] = [collections.deque() for _ in range(n)]
+        self.owed = [0] * n
         self.mapped: set[int] = set()
         self.req = itertools.count()
         self.broken = False
@@ -102,7 +104,7 @@ class ReaderProcs:
         for i in range(n):  # each one runs (else: OSError, and threads read instead)
             req = next(self.req)
             self._send(i, self.w.KEY.pack(b"P", req))
-            self.pending[i].append([req, -1, (0, "a check"), None])
+            self._asked(i, [req, -1, (0, "a check"), None])
         self.wait(-1)
 
     def _send(self, i: int, msg: bytes, fds=()) -> None:
@@ -154,15 +156,19 @@ class ReaderProcs:
         """Ask for `pieces` ((file key, offset, n, buffer key, at, what) each) of `chunk`."""
         for j, (fkey, off, n, mkey, at, what) in enumerate(pieces):
             i = j % len(self.socks)
-            if sum(entry[3] is None for entry in self.pending[i]) >= MAX_IN_FLIGHT:
+            if self.owed[i] >= MAX_IN_FLIGHT:
                 self._answer(i)
             req = next(self.req)
             self._send(i, self.w.READ.pack(b"R", req, fkey, off, n, mkey, at))
-            self.pending[i].append([req, chunk, (n, what), None])
+            self._asked(i, [req, chunk, (n, what), None])
+
+    def _asked(self, i: int, entry: list) -> None:
+        self.pending[i].append(entry)
+        self.owed[i] += 1
 
     def _answer(self, i: int) -> None:
         """Receive process `i`'s next answer: its oldest request not answered yet."""
-        entry = next(e for e in self.pending[i] if e[3] is None)
+        entry = self.pending[i][len(self.pending[i]) - self.owed[i]]
         try:
             answer = self.socks[i].recv(64)
         except OSError as e:
@@ -173,6 +179,7 @@ class ReaderProcs:
         if req != entry[0]:
             raise self._died(i, f"answered request {req}, expected {entry[0]}")
         entry[3] = (err, got)
+        self.owed[i] -= 1
 
     def wait(self, chunk: int) -> list[tuple]:
         """Wait for every piece asked for up to `chunk`; the failed ones: ((n, what), errno, got)."""

@@ -100,6 +100,11 @@ class Backup:
             self.origin = torch.cuda.current_stream(self.planned[1].device)  # commit's own
             self.on_demand = True
 
+    def _start_if_asked(self) -> None:
+        """`start_on_demand` asked for a start at the commit's first request: this one."""
+        if self.on_demand and not self.started:
+            self.start()
+
     def run(self, arena=None, stream=None) -> None:
         """Make the copies planned by `capture`. Small tensors (scales) go first, in one
         batched copy per dtype; then each module's reloaded slots of its big weights, one
@@ -142,8 +147,7 @@ class Backup:
         """Queue every copy now, the writes still waiting for their own piece only: while the
         ring's first reads run, not between its chunks, where reader threads make each
         queued copy cost several times more host time."""
-        if self.on_demand and not self.started:
-            self.start()
+        self._start_if_asked()
         self._queue(len(self.todo))
 
     def complete(self) -> None:
@@ -235,8 +239,7 @@ class Backup:
         """The event after which `module` (with `slot`: that expert slot of it) may be
         overwritten, its copies queued now if they were not yet; None when the copies
         were ordered on the current stream (or not on a GPU) or `module` is not backed up."""
-        if self.on_demand and not self.started:
-            self.start()
+        self._start_if_asked()
         k = self.due.get((id(module), slot))
         if k is None:
             k = self.due.get((id(module), None))
