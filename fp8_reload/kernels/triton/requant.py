@@ -296,6 +296,12 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
         raise  # program": a new one
 
 
+# The bf16 quantization's compiled kernels by sub-key: a handful (a layer shape, one expert
+# or more, the blocks per program), the number held bounded as a layer's are.
+_BF16_AMAX: dict = {}
+_BF16_QUANT: dict = {}
+
+
 def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...]]) -> None:
     """Quantize bf16 experts into FP8 slots in place, one dynamic scale for each expert's
     gate + up and one for its down (what a fresh load computes), in two launches.
@@ -337,12 +343,6 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
                   EXACT, aligned)
     _launch(_expert_amax_kernel, _BF16_AMAX, sub, grid, amax_args, dev)
     _launch(_expert_quant_kernel, _BF16_QUANT, sub, grid, quant_args, dev)
-
-
-# The bf16 quantization's compiled kernels by sub-key: a handful (a layer shape, one expert
-# or more, the blocks per program), the number held bounded as a layer's are.
-_BF16_AMAX: dict = {}
-_BF16_QUANT: dict = {}
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]
