@@ -71,9 +71,7 @@ class Backup:
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its small copies are done
         # the big copies planned (`_plan`), queued up to `next`; the index of the copy
         # after which (id(module), slot or None for all of it) is backed up; their events
-        self.todo: list = []
-        self.next = 0
-        self.arena = None
+        self.todo, self.next, self.arena = [], 0, None
         self.due: dict[tuple[int, int | None], int] = {}
         self.marks: set[int] = set()
         self.recorded: dict[int, torch.cuda.Event] = {}
@@ -90,18 +88,16 @@ class Backup:
         self.run(*self.planned)
 
     def start_on_demand(self) -> None:
-        """Start when the commit first asks for an event (a side stream orders the copies
-        before each write): the commit's first host-to-device copies, queued before that,
-        start the link while the host queues the backup (~2 ms of host time for a full
-        reload of v2-lite:4), instead of after it."""
+        """Start when the commit first asks for an event (a side stream orders the copies before
+        each write): its first host-to-device copies, queued before that, start the link while
+        the host queues the backup (~2 ms for a full reload of v2-lite:4), not after it."""
         if self.planned[1] is None:  # no side stream: the writes are not told to wait
             self.start()
         else:  # what the copies must follow: the work queued before the commit, not the
             self.origin = torch.cuda.current_stream(self.planned[1].device)  # commit's own
             self.on_demand = True
 
-    def _start_if_asked(self) -> None:
-        """`start_on_demand` asked for a start at the commit's first request: this one."""
+    def _start_if_asked(self) -> None:  # (`start_on_demand` put the start off until now)
         if self.on_demand and not self.started:
             self.start()
 
