@@ -272,3 +272,54 @@ def test_release_staging_waits_for_a_reload_of_that_model_in_another_thread(ckpt
         released_at = time.monotonic()
     worker.join(5)
     assert done and done[0] >= released_at
+
+
+@pytest.mark.parametrize("at", ["self._asked(i, [req, chunk", "self.owed[i] += 1", "self.owed[i] -= 1"],
+                         ids=["sent-not-written-down", "queued-not-counted", "answered-not-counted"])
+def test_an_exception_between_two_steps_of_the_bookkeeping_retires_the_processes(tmp_path, at):
+    """An exception (a signal handler's, say) raised between two steps of a request's
+    bookkeeping leaves the processes unusable (`alive()` false: the next reload starts new
+    ones), or fails loudly: never a later answer paired with another read."""
+    import sys
+    import threading
+
+    src = read_procs.__file__
+    line = next(n for n, text in enumerate(open(src), 1) if at in text)
+
+    def trace(frame, event, arg):
+        if frame.f_code.co_filename != src:
+            return None
+
+        def local(frame, event, arg):
+            if event == "line" and frame.f_lineno == line:
+                sys.settrace(None)
+                raise TimeoutError("injected")
+            return local
+        return local
+
+    path = tmp_path / "data"
+    path.write_bytes(os.urandom(1 << 16))
+    procs = read_procs.ReaderProcs(2)
+    buf = read_procs.SharedBuffer(1 << 16)
+    try:
+        with open(path, "rb") as f:
+            procs.attach(buf)
+            keys = procs.open_files({"x": f})
+            pieces = [(keys["x"], 64 * j, 64, buf.key, 64 * j, f"p{j}") for j in range(2)]
+            sys.settrace(trace)
+            try:
+                procs.submit(0, pieces)
+                procs.wait(0)
+            except TimeoutError:
+                pass
+            finally:
+                sys.settrace(None)
+                threading.settrace(None)
+            try:
+                procs.drain()
+            except ReloadError:
+                pass
+            assert not procs.alive()
+    finally:
+        procs.close()
+        buf.release()

@@ -96,6 +96,7 @@ class ReaderProcs:
         # come in that order, so the unanswered ones (`owed`) are the last of its deque
         self.pending: list[collections.deque] = [collections.deque() for _ in range(n)]
         self.owed = [0] * n
+        self.between = False
         self.mapped: set[int] = set()
         self.req = itertools.count()
         self.broken = False
@@ -159,8 +160,10 @@ class ReaderProcs:
             if self.owed[i] >= MAX_IN_FLIGHT:
                 self._answer(i)
             req = next(self.req)
+            self.between = True  # a request sent and not yet written down: `alive` says no
             self._send(i, self.w.READ.pack(b"R", req, fkey, off, n, mkey, at))
             self._asked(i, [req, chunk, (n, what), None])
+            self.between = False
 
     def _asked(self, i: int, entry: list) -> None:
         self.pending[i].append(entry)
@@ -168,7 +171,10 @@ class ReaderProcs:
 
     def _answer(self, i: int) -> None:
         """Receive process `i`'s next answer: its oldest request not answered yet."""
-        entry = self.pending[i][len(self.pending[i]) - self.owed[i]]
+        owed, todo = self.owed[i], self.pending[i]
+        if not 0 < owed <= len(todo) or todo[len(todo) - owed][3] is not None:  # (cut short
+            raise self._died(i, "its requests' bookkeeping was cut short")  # between two steps)
+        entry = todo[len(todo) - owed]
         try:
             answer = self.socks[i].recv(64)
         except OSError as e:
@@ -204,7 +210,8 @@ class ReaderProcs:
     def alive(self) -> bool:
         """Usable: none broken or gone, and no answer owed from an earlier ring (an interrupt
         between a send and its bookkeeping would pair later answers with the wrong reads)."""
-        return not self.broken and not any(self.pending) and all(p.poll() is None for p in self.procs)
+        return (not self.broken and not self.between and not any(self.pending) and not any(self.owed)
+                and all(p.poll() is None for p in self.procs))
 
     def abandon(self) -> None:
         """After an interrupt mid-protocol: no answer can be trusted to match its read. The
