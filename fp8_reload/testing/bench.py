@@ -58,6 +58,8 @@ def host_time_per_call(fn: Callable[[], object], n: int, warmup: int = 0, to_syn
     the calls and after them, not between: the host's cost of a call when the device never
     makes it wait. `to_sync`: the final synchronize counted too (the device's pace, when it
     is the slower)."""
+    if n < 1:
+        raise ValueError(f"host_time_per_call needs n >= 1 calls, got {n}")
     for _ in range(warmup):
         fn()
     synchronize()
