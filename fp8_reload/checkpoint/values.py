@@ -81,8 +81,9 @@ def _scale_bad(ts: list[torch.Tensor]) -> torch.Tensor:
     bad = ~(torch.isfinite(values) & (values > 0))
     if values.numel() == len(ts):
         return bad
-    owner = torch.repeat_interleave(torch.arange(len(ts), device=values.device),
-                                    torch.tensor([t.numel() for t in ts], device=values.device))
+    owner = torch.repeat_interleave(torch.arange(len(ts), device=values.device),  # (its size given:
+                                    torch.tensor([t.numel() for t in ts], device=values.device),
+                                    output_size=values.numel())  # on a GPU, no wait for the device)
     return torch.zeros(len(ts), dtype=torch.int32, device=values.device).index_add_(
         0, owner, bad.to(torch.int32)) > 0
 

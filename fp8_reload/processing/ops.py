@@ -200,7 +200,8 @@ def quantize_staged_by_address_(w13, w13_scale, w2, w2_scale, staged, slots: lis
                 raise ValueError(f"quantize-on-load: expert slot {s} has pieces of another size or dtype")
             if t.get_device() != dev:
                 on_device = False
-        rows.append(row(s, (gate.data_ptr(), up.data_ptr(), down.data_ptr())))
+        if on_device:  # (else the rows are made below, from the copies' addresses)
+            rows.append(row(s, (gate.data_ptr(), up.data_ptr(), down.data_ptr())))
     cols = w13_scale.numel() // w13_scale.shape[0]
     if on_device:  # read where they are: one chunk
         _requant().quantize_experts_(w13.device, numel, cols, rows)
