@@ -35,8 +35,6 @@ Run standalone for a table and JSON: ``python benchmarks/rebalance.py`` (`rebala
 
 from __future__ import annotations
 
-import ctypes
-import mmap
 import os
 import sys
 from pathlib import Path
@@ -55,6 +53,7 @@ from benchmarks.ep_common import (  # noqa: E402
     whole_pool,
     whole_start,
 )
+from fp8_reload.testing.io_paths import evict  # noqa: E402
 
 # Experts moved per layer (FP8_RELOAD_BENCH_MOVED): 32 is more than the CPU model's 16 allow.
 MOVED = [int(m) for m in os.environ.get("FP8_RELOAD_BENCH_MOVED", "0,2,8,32" if ON_CUDA else "0,8")
@@ -69,49 +68,8 @@ MODE = {"p2p": ("p2p", ()), "disk": ("disk", ()), "disk-cold": ("disk", ()), "hy
 _RECEIVED: dict = {}  # (pool, placement, mode) -> bytes a rank receives, once verified
 
 
-def evict_page_cache(root: Path) -> None:
-    """Drop the checkpoint's clean pages from the page cache (no root needed)."""
-    for f in sorted(Path(root).glob("*.safetensors")):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def resident_fraction(root: Path) -> float:
-    """Share of the checkpoint's bytes in the page cache (mincore); -1 if unknown."""
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    except (OSError, AttributeError):
-        return -1.0
-    page = mmap.PAGESIZE
-    resident = total = 0
-    for f in sorted(Path(root).glob("*.safetensors")):
-        size = f.stat().st_size
-        if not size:
-            continue
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return -1.0
-            pages = (size + page - 1) // page
-            vec = (ctypes.c_ubyte * pages)()
-            ok = libc.mincore(ctypes.c_void_p(addr), size, vec) == 0
-            libc.munmap(ctypes.c_void_p(addr), size)
-            if not ok:
-                return -1.0
-            resident += sum(v & 1 for v in vec)
-            total += pages
-        finally:
-            os.close(fd)
-    return resident / total if total else -1.0
+def shards(root: Path) -> list[Path]:
+    return sorted(Path(root).glob("*.safetensors"))
 
 
 def _verified(kind: str, pool, new, mode: str, exclude=()) -> int:
@@ -156,7 +114,7 @@ class Rebalance(_Timed):
         if pool.placement != pool.start:
             pool.rebalance(pool.start, "p2p")
         if source == "disk-cold":
-            evict_page_cache(Path(pool.checkpoint))
+            evict(shards(pool.checkpoint))
         self.pool, self.new, self.mode, self.exclude = pool, new, mode, exclude
 
     def time_rebalance(self, moved, source, layers):

@@ -37,7 +37,8 @@ from benchmarks.ep_common import (
     rank_pool,
     whole_pool,
 )
-from benchmarks.rebalance import LAYERS, MOVED, SOURCES, WHOLE_MOVED, resident_fraction
+from benchmarks.rebalance import LAYERS, MOVED, SOURCES, WHOLE_MOVED, shards
+from fp8_reload.testing.io_paths import resident_fraction
 
 TARGET_MS_PER_LAYER = 2.0  # 32 experts per layer on 2xH200
 TARGET_SHARE_OF_BOUND = 0.5
@@ -55,7 +56,7 @@ def _samples(bench, args, repeat: int, timed, source: str = "", phase_repeat: in
         if i:
             bench.setup(*args)
         if source == "disk-cold":
-            resident.append(resident_fraction(Path(bench.pool.checkpoint)))
+            resident.append(resident_fraction(shards(bench.pool.checkpoint)))
         t0 = time.perf_counter()
         timed(*args)
         driver.append(time.perf_counter() - t0)

@@ -13,7 +13,8 @@ O_NONBLOCK, so that a file swapped for a FIFO between the two still opens at
 once; then `fstat` of the opened descriptor, so the check applies to exactly the
 file that is read.
 
-`open_shard`, `read_span` and `read_into` are the positional reads of tensor bytes.
+`open_shard`, `read_span` and `read_into` are the positional reads of tensor bytes;
+`reopen_direct` gives a shard's descriptor for reads past the page cache (O_DIRECT).
 
 `os_error` turns an `OSError` into the `CheckpointError` subclass a user sees;
 every entry point (`Checkpoint`, `load_model`, `update_weights_from_disk`) goes
@@ -197,6 +198,28 @@ def open_shard(fpath: Path):
     """A shard opened for positional reads (a file object: use it in a ``with``); a
     regular file only, opened without blocking (`open_regular`)."""
     return open_regular(fpath)
+
+
+def reopen_direct(handle) -> io.FileIO | None:
+    """The file open as `handle` opened again with O_DIRECT (reads past the page cache),
+    or None where that is refused (no O_DIRECT, no /proc, tmpfs). Through the handle's
+    own /proc entry: the very file it holds, whatever was renamed over its path since."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        f = io.FileIO(f"/proc/self/fd/{handle.fileno()}", "rb",
+                      opener=lambda p, _: os.open(p, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0)))
+    except (OSError, ValueError):
+        return None
+    try:
+        mine, theirs = os.fstat(f.fileno()), os.fstat(handle.fileno())
+    except OSError:
+        mine = theirs = None
+    if mine is None or (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        f.close()
+        return None
+    return f
 
 
 def read_span(handle, fpath: Path, offset: int, nbytes: int, out: torch.Tensor | None = None,

@@ -8,7 +8,16 @@ of a ring of `RING_SLOTS` buffers (`ring.stream_through_ring`).
 Tunables (environment, read at import): ``FP8_RELOAD_CHUNK_BYTES`` (default 64 MiB),
 ``FP8_RELOAD_RING_SLOTS`` (4: the ring is 256 MiB of pinned memory on a GPU host),
 ``FP8_RELOAD_READ_THREADS`` (`staging.READ_THREADS`), ``FP8_RELOAD_READERS``
-(`checkpoint.read_procs`).
+(`checkpoint.read_procs`), ``FP8_RELOAD_IO``: ``buffered`` (default) or ``direct``.
+
+``direct`` reads the ring's chunks with O_DIRECT, past the page cache, at the disk's
+speed: for a checkpoint read once (an RL step's new weights, a model larger than the
+page cache), whose pages would only push others out. It leaves nothing cached, so a
+checkpoint reloaded again (EPLB) is read from the disk again: there, ``buffered`` (the
+first reload fills the cache, the next ones read it at memory speed) is the better
+choice. A chunk read direct lays each span in its buffer at its file offset's place
+within a block (`DIRECT_ALIGN`), so reads start, end and land on block boundaries;
+files that refuse O_DIRECT (tmpfs) are read buffered.
 """
 
 from __future__ import annotations
@@ -28,6 +37,10 @@ from .targets import Target
 
 CHUNK_BYTES = int(os.environ.get("FP8_RELOAD_CHUNK_BYTES", 64 << 20))
 RING_SLOTS = int(os.environ.get("FP8_RELOAD_RING_SLOTS", 4))
+READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
+if READ_IO not in ("buffered", "direct"):
+    raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")
+DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses in whole logical blocks (512 or 4096)
 PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a chunk
 MIN_PIECE_BYTES = 1 << 20
 
@@ -44,6 +57,7 @@ class Chunk:
     file: str
     targets: list[Target]
     spans: list[tuple[int, int, int]] = field(default_factory=list)  # (file offset, nbytes, buffer offset)
+    align: int = 1  # > 1: every span's buffer offset is its file offset modulo this (read direct)
 
     @property
     def nbytes(self) -> int:
@@ -53,6 +67,11 @@ class Chunk:
     def extent(self) -> int:
         """Bytes of buffer the spans cover (gaps included)."""
         return self.spans[-1][2] + self.spans[-1][1]
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Bytes of buffer its reads fill (the extent, to a whole block when aligned)."""
+        return round_up(self.extent, self.align)
 
     def offset_of(self, target: Target) -> int:
         """Where `target`'s bytes start in the chunk's buffer."""
@@ -73,11 +92,20 @@ def unit_of(t: Target):
     return (t.module_name, tuple(t.slots)) if t.kind == "quant" else id(t)
 
 
-def make_chunks(targets: list[Target], chunk_bytes: int | None = None) -> list[Chunk]:
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align
+
+
+def make_chunks(targets: list[Target], chunk_bytes: int | None = None,
+                align: int | None = None) -> list[Chunk]:
     """Cut the targets (in file order) into chunks of about `chunk_bytes` (default
     `CHUNK_BYTES`), one file each, never splitting a unit; adjacent tensors share one
-    span (one read, one copy)."""
+    span (one read, one copy). `align` > 1 (default: `DIRECT_ALIGN` when `READ_IO` is
+    direct) lays the spans for direct reads: each at its file offset modulo `align`,
+    past the whole blocks of the one before."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if align is None:
+        align = DIRECT_ALIGN if READ_IO == "direct" else 1
     chunks: list[Chunk] = []
     current, last_unit = None, None
     for t in targets:
@@ -85,14 +113,15 @@ def make_chunks(targets: list[Target], chunk_bytes: int | None = None) -> list[C
         fits = current is not None and current.file == info.file and (
             unit == last_unit or current.nbytes + info.nbytes <= chunk_bytes)
         if not fits:
-            current = Chunk(info.file, [])
+            current = Chunk(info.file, [], align=align)
             chunks.append(current)
         current.targets.append(t)
         end = current.spans[-1] if current.spans else None
         if end is not None and end[0] + end[1] == info.offset:
             current.spans[-1] = (end[0], end[1] + info.nbytes, end[2])
         else:
-            current.spans.append((info.offset, info.nbytes, current.nbytes))
+            start = current.buffer_bytes if current.spans else 0
+            current.spans.append((info.offset, info.nbytes, start + info.offset % align))
         last_unit = unit
     return chunks
 
@@ -105,8 +134,9 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
     so that a cold file is (partly) cached by the time the commit streams it. Only the
     ranges read (a filtered reload's few experts, not the span from its first to its
     last byte), each once per parsed checkpoint: advising cached pages again still walks
-    them, milliseconds per GiB that a repeated reload would pay for nothing."""
-    if not hasattr(os, "posix_fadvise"):
+    them, milliseconds per GiB that a repeated reload would pay for nothing. Direct
+    reads (`READ_IO`) take no advice: it would fill the page cache they keep clear."""
+    if not hasattr(os, "posix_fadvise") or READ_IO == "direct":
         return
     ranges: dict[str, list[list[int]]] = {}
     for t in sorted(targets, key=lambda t: (t.info.file, t.info.offset)):
@@ -139,7 +169,7 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
     fresh: dict[str, float] = {}
     todo = sorted((t for t in targets if t.info.name not in known),
                   key=lambda t: (t.info.file, t.info.offset))
-    for chunk in make_chunks(todo, 1 << 40):
+    for chunk in make_chunks(todo, 1 << 40, align=1):
         path = ckpt.path / chunk.file
         # kept only from a shard settled when parsed: a fresh one rewritten in place
         # within its timestamp tick keeps its stamp, and its new scales must be read

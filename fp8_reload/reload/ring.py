@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 import weakref
 from collections.abc import Callable
 from concurrent.futures import wait
@@ -23,7 +24,7 @@ import torch
 
 from .. import trace
 from ..checkpoint import read_procs
-from ..checkpoint.files import read_failure, read_into
+from ..checkpoint.files import read_failure, read_into, reopen_direct
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import held, reader_pool
 from . import chunks as ch
@@ -46,9 +47,12 @@ class Ring:
         if self.shared is not None:
             whole = self.shared.tensor
             self.buffers = [whole[i * slot_bytes:(i + 1) * slot_bytes] for i in range(slots)]
-        else:
-            self.buffers = [torch.empty(slot_bytes, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
+        else:  # (pinned memory comes in whole pages; plain memory is aligned here, for direct reads)
+            pad = 0 if pin else ch.DIRECT_ALIGN
+            raw = [torch.empty(slot_bytes + pad, dtype=torch.uint8, pin_memory=pin) for _ in range(slots)]
+            self.buffers = [r[-r.data_ptr() % pad:][:slot_bytes] if pad else r for r in raw]
         self.views = [memoryview(b.numpy()) for b in self.buffers]
+        self.aligned = all(b.data_ptr() % ch.DIRECT_ALIGN == 0 for b in self.buffers)
         self.events: list = [None] * slots
 
     @property
@@ -75,15 +79,59 @@ def ring_for(model, nbytes: int, pin: bool) -> Ring:
     if ring is None or not ring.fits(nbytes) or len(ring.buffers) != ch.RING_SLOTS:
         if ring is not None:
             ring.release()  # pinned memory is precious: the old one goes first
-        ring = things["ring"] = Ring(ch.RING_SLOTS, max(nbytes, ch.CHUNK_BYTES), pin,
+        slot_bytes = ch.round_up(max(nbytes, ch.CHUNK_BYTES), ch.DIRECT_ALIGN)  # slots start on blocks
+        ring = things["ring"] = Ring(ch.RING_SLOTS, slot_bytes, pin,
                                      shared=read_procs.supported())
     return ring
 
 
-def _pieces(chunk: ch.Chunk) -> list[tuple[int, int, int]]:
-    """(file offset, bytes, buffer offset) of each reader's piece of `chunk`."""
-    piece = ch.piece_bytes(chunk.nbytes)
-    return [(off + p, min(piece, n - p), at + p) for off, n, at in chunk.spans for p in range(0, n, piece)]
+def _pieces(chunk: ch.Chunk, size: int) -> list[tuple[int, int, int, bool]]:
+    """(file offset, bytes, buffer offset, direct) of each reader's piece of `chunk`, whose
+    file holds `size` bytes. An aligned chunk's spans are read in whole blocks (direct),
+    but for a last partial block of the file, read buffered: a direct read's length is
+    whole blocks, and where one would end past the end of the file is the system's call."""
+    a = chunk.align
+    piece = ch.round_up(ch.piece_bytes(chunk.nbytes), a)
+    if a == 1:
+        return [(off + p, min(piece, n - p), at + p, False) for off, n, at in chunk.spans
+                for p in range(0, n, piece)]
+    out = []
+    for off, n, at in chunk.spans:
+        lo, end = off - off % a, min(ch.round_up(off + n, a), size - size % a)
+        out += [(p, min(piece, end - p), at - off + p, True) for p in range(lo, end, piece)]
+        tail = max(end, off)
+        if tail < off + n:
+            out.append((tail, off + n - tail, at - off + tail, False))
+    return out
+
+
+def _open_direct(ckpt: Checkpoint, chunks: list[ch.Chunk], ring: Ring, handles: dict) -> None:
+    """Add to `handles` ((file, "direct"): the same open shard again, with O_DIRECT) for
+    the aligned chunks' files that allow it; the others are read buffered (a warning says
+    so, once per checkpoint directory)."""
+    for f in sorted({c.file for c in chunks if c.align > 1}):
+        handle = reopen_direct(handles[f]) if ring.aligned else None
+        if handle is not None:
+            handles[f, "direct"] = handle
+        elif ckpt.path not in _REFUSED:
+            _REFUSED.add(ckpt.path)
+            why = "the file system refuses O_DIRECT" if ring.aligned else "ring buffers not block-aligned"
+            warnings.warn(f"{ckpt.path / f}: {why}: read through the page cache", RuntimeWarning,
+                          stacklevel=4)
+
+
+_REFUSED: set = set()
+
+
+def _piece_plan(ckpt: Checkpoint, chunk: ch.Chunk, handles: dict, stats: dict) -> list[tuple]:
+    """(key in `handles`, file offset, bytes, buffer offset) of each piece of `chunk`."""
+    out = []
+    for off, n, at, direct in _pieces(chunk, ckpt.parsed_stamp(chunk.file)[2]):
+        key = (chunk.file, "direct") if direct and (chunk.file, "direct") in handles else chunk.file
+        if key != chunk.file:
+            stats["bytes_direct"] = stats.get("bytes_direct", 0) + n
+        out.append((key, off, n, at))
+    return out
 
 
 def stream_through_ring(ckpt: Checkpoint, chunks: list[ch.Chunk], ring: Ring,
@@ -102,12 +150,13 @@ def stream_through_ring(ckpt: Checkpoint, chunks: list[ch.Chunk], ring: Ring,
         for f in sorted({c.file for c in chunks}):  # still the parsed files (Checkpoint.open_shard)
             handles[f], _ = ckpt.open_shard(f)
         stats["files_opened"] = stats.get("files_opened", 0) + len(handles)
+        _open_direct(ckpt, chunks, ring, handles)
         through = _through_processes if mine else _through_threads
         through(ckpt, chunks, ring, land, stats, reading, handles, procs)
     finally:
         if mine:
             procs.busy.release()
-        for h in handles.values():
+        for h in handles.values():  # (the direct ones too)
             h.close()
         for event in ring.events:  # the next user of the ring starts from drained buffers
             if event is not None:
@@ -125,17 +174,17 @@ def _through_threads(ckpt, chunks, ring, land, stats, reading, handles, _procs) 
     slots = len(ring.buffers)
     paths = {c.file: ckpt.path / c.file for c in chunks}
 
-    def read_piece(k: int, off: int, n: int, at: int) -> None:
+    def read_piece(k: int, key, off: int, n: int, at: int) -> None:
         slot = k % slots
         event = ring.events[slot]
         if event is not None:
             event.synchronize()  # what was landed from this slot has been copied out
             ring.events[slot] = None  # (the chunk's other readers need not ask again)
-        read_into(handles[chunks[k].file], paths[chunks[k].file], off, ring.views[slot][at:at + n],
+        read_into(handles[key], paths[chunks[k].file], off, ring.views[slot][at:at + n],
                   what=f"bytes {off}..{off + n}")
 
     def submit(k: int) -> list:
-        return [pool.submit(read_piece, k, off, n, at) for off, n, at in _pieces(chunks[k])]
+        return [pool.submit(read_piece, k, *piece) for piece in _piece_plan(ckpt, chunks[k], handles, stats)]
 
     pool = reader_pool()
     pending: dict[int, list] = {}
@@ -196,8 +245,8 @@ def _ask_and_land(ckpt, chunks, ring, land, stats, reading, procs, keys: dict) -
         if event is not None:
             event.synchronize()
             ring.events[slot] = None
-        procs.submit(k, [(keys[chunks[k].file], off, n, mkey, slot * size + at, f"bytes {off}..{off + n}")
-                         for off, n, at in _pieces(chunks[k])])
+        procs.submit(k, [(keys[key], off, n, mkey, slot * size + at, f"bytes {off}..{off + n}")
+                         for key, off, n, at in _piece_plan(ckpt, chunks[k], keys, stats)])
 
     asked = min(slots, len(chunks))
     for k in range(asked):

@@ -170,6 +170,6 @@ def _commit_host(model, prep: Prepared, streamed: list[Target], stats: dict) -> 
             for view in t.views:
                 view.copy_(src)
 
-    ring = ring_for(model, max(c.nbytes for c in chunks), pin=False)
+    ring = ring_for(model, max(c.buffer_bytes for c in chunks), pin=False)
     with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in chunks)):
         stream_through_ring(prep.ckpt, chunks, ring, land, stats)

@@ -13,7 +13,9 @@ Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) regist
 shard the second time a reload reads most of it under the same stamps (what EPLB and RL
 weight sync do; registering costs about one read of the file, so a checkpoint read once
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
-default half the host's memory); ``always``; ``never``.
+default half the host's memory); ``always``; ``never``. Under ``FP8_RELOAD_IO=direct``
+``auto`` registers nothing: a registration is the file's pages in the page cache, which
+direct reads keep clear.
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
@@ -37,6 +39,7 @@ from ..checkpoint.staging import holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
+from . import chunks as _chunks
 from .chunks import Chunk, invalid_value, make_chunks
 from .ring import ring_for, stream_through_ring
 from .targets import Target
@@ -117,6 +120,7 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
     shards: RegisteredShards = holder(model, "registered", RegisteredShards)
     if REGISTER == "never":
         return {}
+    cache_ok = _chunks.READ_IO != "direct"  # (direct reads keep the page cache clear)
     read: dict[str, int] = {}
     for c in chunks:
         read[c.file] = read.get(c.file, 0) + c.nbytes
@@ -128,7 +132,7 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
         mostly = 2 * nbytes >= size
         if mostly:
             ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
-        want = REGISTER == "always" or (mostly and ckpt.reads.get(fname, 0) >= 2)
+        want = REGISTER == "always" or (mostly and ckpt.reads.get(fname, 0) >= 2 and cache_ok)
         current = shards.current(path)
         if current is None and want and shards.nbytes() + size <= _register_budget():
             with trace.range("fp8_reload/register", payload=size):
@@ -273,7 +277,7 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
                         _land(chunk, view[start:end], k, *landing)
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
             if rest:
-                ring = ring_for(model, max(c.nbytes for c in rest), pin=True)
+                ring = ring_for(model, max(c.buffer_bytes for c in rest), pin=True)
                 turn = itertools.count(len(direct))  # which device buffer: the two alternate
                 with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
                     stream_through_ring(ckpt, rest, ring,

@@ -83,6 +83,7 @@ class ReloadReport:
     tensors_loaded: int = 0
     bytes_read: int = 0
     files_opened: int = 0
+    bytes_direct: int = 0  # of which read with O_DIRECT, past the page cache (FP8_RELOAD_IO)
     modules_processed: list[str] = field(default_factory=list)
     experts_reloaded: dict[int, list[int]] = field(default_factory=dict)
     staged_bytes: int = 0  # host memory holding the validated tensors before commit
@@ -279,6 +280,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     report.tensors_loaded = len(names) if streaming else len(staged)
     report.bytes_read = stats.get("bytes_read", 0)
     report.files_opened = stats.get("files_opened", 0)
+    report.bytes_direct = stats.get("bytes_direct", 0)
     if "read_wait" in stats:  # (part of "load": the commit waiting for the readers)
         report.seconds["read_wait"] = stats["read_wait"]
     if "experts" not in memo:

@@ -8,12 +8,15 @@ limits are measured, not quoted: `PinnedCopy` (one host-to-device DMA of the sam
 number of bytes) and `page_cache_read` (16 threads of positional reads into one
 pinned buffer).
 
-`evict` drops files from the page cache (`posix_fadvise(DONTNEED)`) for cold runs.
+`evict` drops files from the page cache (`posix_fadvise(DONTNEED)`) for cold runs;
+`resident_fraction` says how much of them is there (`mincore`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib.util
+import mmap
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -21,6 +24,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import Checkpoint
+from ..reload.chunks import DIRECT_ALIGN
 
 LIBRARIES = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
              "safetensors": "safetensors"}
@@ -53,6 +57,42 @@ def evict(files) -> None:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+
+
+def resident_fraction(files) -> float:
+    """Share of the pages of `files` in the page cache (`mincore` on a mapping of each);
+    -1 where that cannot be asked."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    except (OSError, AttributeError):
+        return -1.0
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for f in files:
+        size = os.path.getsize(f)
+        if not size:
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return -1.0
+            pages = -(-size // page)
+            vec = (ctypes.c_ubyte * pages)()
+            ok = libc.mincore(ctypes.c_void_p(addr), size, vec) == 0
+            libc.munmap(ctypes.c_void_p(addr), size)
+            if not ok:
+                return -1.0
+            resident += sum(v & 1 for v in vec)
+            total += pages
+        finally:
+            os.close(fd)
+    return resident / total if total else -1.0
 
 
 def device_targets(path, names, device) -> dict[str, torch.Tensor]:
@@ -100,24 +140,35 @@ class DuplexCopy(PinnedCopy):
         return self.src.numel()
 
 
-def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int = 64 << 20) -> int:
+def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int = 64 << 20,
+                    direct: bool = False) -> int:
     """The read limit: every byte of `files`, `chunk` per positional read, `threads` at a
-    time, into `buffer` (pinned, at least the files' total size)."""
+    time, into `buffer` (pinned, at least the files' total size). `direct`: with O_DIRECT
+    (the disk's limit, page cache bypassed), each file at a block boundary of `buffer`
+    (`direct_bytes(files)` of it) and its last partial block read buffered."""
+    align = DIRECT_ALIGN if direct else 1
     jobs, at = [], 0
     for f in files:
         size = os.path.getsize(f)
-        jobs += [(f, off, min(chunk, size - off), at + off) for off in range(0, size, chunk)]
-        at += size
-    fds = {f: os.open(f, os.O_RDONLY) for f in files}
+        whole = size - size % align
+        jobs += [(f, off, min(chunk, whole - off), at + off, direct) for off in range(0, whole, chunk)]
+        if whole < size:
+            jobs.append((f, whole, size - whole, at + whole, False))
+        at += -(-size // align) * align
+    if buffer.numel() < at or buffer.data_ptr() % align:
+        raise ValueError(f"buffer of {buffer.numel()} bytes at {buffer.data_ptr():#x}: {at} bytes needed"
+                         + (f", aligned to {align}" if direct else ""))
+    flags = {False: os.O_RDONLY, True: os.O_RDONLY | getattr(os, "O_DIRECT", 0)}
+    fds = {(f, d): os.open(f, flags[d]) for f in files for d in {False, direct}}
     view = memoryview(buffer.numpy())
     try:
         def read(job):
-            f, off, n, to = job
+            f, off, n, to, d = job
             got = 0
             while got < n:
-                step = os.preadv(fds[f], [view[to + got:to + n]], off + got)
+                step = os.preadv(fds[f, d], [view[to + got:to + n]], off + got)
                 if step <= 0:
-                    raise OSError(f"{f}: read stopped at byte {off + got} (buffer too small?)")
+                    raise OSError(f"{f}: read stopped at byte {off + got}")
                 got += step
 
         with ThreadPoolExecutor(threads) as pool:
@@ -125,7 +176,12 @@ def page_cache_read(files, buffer: torch.Tensor, threads: int = 16, chunk: int =
     finally:
         for fd in fds.values():
             os.close(fd)
-    return at
+    return sum(os.path.getsize(f) for f in files)
+
+
+def direct_bytes(files) -> int:
+    """Buffer bytes `page_cache_read(files, direct=True)` fills."""
+    return sum(-(-os.path.getsize(f) // DIRECT_ALIGN) * DIRECT_ALIGN for f in files)
 
 
 def load_instanttensor(files, dst: dict, direct: bool = False) -> int:
