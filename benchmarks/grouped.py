@@ -3,9 +3,10 @@
 asv runs every parameter combination of a benchmark in a process of its own; on the
 H200 each such process cost ~4-8 s (spawn, torch and CUDA start, the model slice
 built from its checkpoint, warm-up, 3 samples) and the suite's 44 figures took 435 s.
-Here each group's `setup_cache` (one process per group, two in all) measures every
-case of the group with the benchmarks' own classes (`reload`, `processing`,
-`forward`, `accuracy`: their `setup`, warm-up and timed method, see
+Here each group's `setup_cache` (one process per group: reload, forward, and io, the
+I/O paths beside the limits, selected on its own: its cold cases read GBs from the disk)
+measures every case of the group with the benchmarks' own classes (`reload`,
+`processing`, `forward`, `accuracy`, `io`: their `setup`, warm-up and timed method, see
 `grouped_measure`), so a checkpoint's model is loaded once for all its figures. The
 classes below only look the values up: their processes import neither torch nor the
 code under test when ``FP8_RELOAD_BENCH_DEVICE`` is set (`knobs`), so each costs a
@@ -22,7 +23,7 @@ parameter combination skips, so select with ``-b`` as `gpu/asv_suite.sh` does.
 
 from __future__ import annotations
 
-from .knobs import ACCURACY_TOKENS, BACKENDS, FRACTIONS, KINDS, PRESETS, TOKENS
+from .knobs import ACCURACY_TOKENS, BACKENDS, FRACTIONS, KINDS, ON_CUDA, PRESETS, TOKENS
 
 STRATEGIES = ["fixed", "scan-all", "upstream-style"]  # reload.STRATEGIES
 IMPLS = ["upstream", "fixed", "fixed-1-expert"]  # processing.IMPLS
@@ -67,6 +68,25 @@ def forward_cases() -> list[tuple[str, tuple]]:
     return out
 
 
+IOS = ["limit-h2d", "limit-read", "limit-read-direct", "fp8-reload", "fp8-reload-direct",
+       "fp8-reload-staged", "instanttensor", "fastsafetensors", "safetensors"]  # io.IOS
+# (CUDA only: on a CPU one case, which skips, keeps the smoke run short)
+IO_PARAMS = ((PRESETS, KINDS, IOS, ["full", "1/layer"], ["warm", "cold"]) if ON_CUDA
+             else (PRESETS[:1], KINDS[:1], IOS[:1], ["full"], ["warm"]))
+
+
+def io_cases() -> list[tuple[str, tuple]]:
+    """`io.IOPaths`, every I/O path beside the limits: warm cases first, a checkpoint at a
+    time (one model on the device), each library's cases together."""
+    presets, kinds, ios, scopes, caches = IO_PARAMS
+    return [("IOPaths.time_move", (p, k, io, scope, cache)) for p in presets for k in kinds
+            for cache in caches for io in ios for scope in scopes
+            if not (io.startswith("limit") and scope != "full")]
+
+
+GROUPS = {"reload": reload_cases, "forward": forward_cases, "io": io_cases}
+
+
 def _lookup(cache: dict, name: str, params: tuple):
     """The value measured for (name, params): NotImplementedError (asv: skipped) where
     the case was skipped or not measured, RuntimeError (asv: failed) where it failed."""
@@ -96,6 +116,17 @@ class _ForwardGroup:
         from .grouped_measure import measure
 
         return measure(forward_cases())
+
+    setup_cache.timeout = 1800.0
+
+
+class _IOGroup:
+    timeout = 120.0
+
+    def setup_cache(self):
+        from .grouped_measure import measure
+
+        return measure(io_cases())
 
     setup_cache.timeout = 1800.0
 
@@ -140,6 +171,8 @@ MoEForward = _lookup_class(_F, "MoEForward", "time_forward", (PRESETS, BACKENDS,
 ForwardAccuracy = _lookup_class(_F, "ForwardAccuracy", "track_calc_diff",
                                 (PRESETS, BACKENDS, ACCURACY_TOKENS), ["preset", "backend", "tokens"],
                                 "calc_diff")
+IOPaths = _lookup_class(_IOGroup, "IOPaths", "time_move", IO_PARAMS,
+                        ["preset", "kind", "io", "scope", "cache"], "seconds")
 DeepGemmScaleMode = _lookup_class(_F, "DeepGemmScaleMode", "time_forward", (PRESETS, SCALE_MODES, TOKENS),
                                   ["preset", "scale_mode", "tokens"], "seconds")
 
@@ -169,13 +202,13 @@ class ValidateStaged(_ReloadGroup):
     track_time_check_landed.unit = track_time_first_reload.unit = "seconds"
 
 
-def selection() -> list[str]:
-    """asv ``--bench`` regexes of exactly the measured cases (`gpu/asv_suite.sh`): one
-    lookup process per figure, none for the combinations that would only skip."""
+def selection(groups=("reload", "forward")) -> list[str]:
+    """asv ``--bench`` regexes of exactly the measured cases of `groups` (`gpu/asv_suite.sh`):
+    one lookup process per figure, none for the combinations that would only skip."""
     import re
 
     out = []
-    for name, params in reload_cases() + forward_cases():
+    for name, params in (case for g in groups for case in GROUPS[g]()):
         cls, method = name.split(".")
         track = method if method.startswith("track_") else f"track_{method}"
         shown = f"({', '.join(map(repr, params))})" if params else ""
@@ -183,5 +216,8 @@ def selection() -> list[str]:
     return out
 
 
-if __name__ == "__main__":  # python -m benchmarks.grouped: the selection, one regex a line
-    print("\n".join(selection()))
+if __name__ == "__main__":  # python -m benchmarks.grouped [GROUP,...]: the selection, a regex a line
+    import sys
+
+    groups = sys.argv[1].split(",") if len(sys.argv) > 1 else ["reload", "forward"]
+    print("\n".join(selection(groups)))

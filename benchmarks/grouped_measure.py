@@ -21,12 +21,12 @@ import sys
 import time
 import traceback
 
-from . import accuracy, common, forward, processing, reload
+from . import accuracy, common, forward, io, processing, reload
 
 REPEAT = int(os.environ.get("FP8_RELOAD_BENCH_REPEAT", "3"))
 SAMPLE_TIME = 0.01  # asv's default sample_time
 MAX_NUMBER = 1000
-MODULES = (reload, processing, forward, accuracy)
+MODULES = (reload, processing, forward, accuracy, io)
 
 
 def _class(name: str) -> type:

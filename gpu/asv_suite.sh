@@ -6,6 +6,8 @@
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
+#   GROUPS=io bash gpu/asv_suite.sh       # the I/O paths beside the limits (benchmarks/io.py:
+#                                         # warm and cold, ~60 figures, minutes of disk reads)
 #
 # Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
 # H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection
@@ -121,17 +123,31 @@ echo "== asv run (spawn; benchmarks.grouped: 2 measuring processes + one lookup 
 # Each figure of the report is one case of benchmarks/grouped.py: the two groups'
 # setup_cache processes measure them (3 samples each, the best kept), the lookup
 # processes (no torch) hand them to asv. The selection is exactly those cases.
-mapfile -t CASES < <($PY -m benchmarks.grouped)
+mapfile -t CASES < <($PY -m benchmarks.grouped "${GROUPS:-reload,forward}")
 BENCH=()
 for c in "${CASES[@]}"; do BENCH+=(-b "$c"); done
 echo "${#CASES[@]} figures"
+# A commit's results already committed (results/asv/<machine>/, another group's run) are
+# the start: asv adds to a commit's results file, so the report finds every group in one.
+RES=.asv/results/$MACHINE  # asv.conf.json results_dir: local, not the curated results/asv
+COMMIT=${FP8_RELOAD_COMMIT:-$SHA}
+for f in results/asv/$MACHINE/"${COMMIT:0:8}"-*.json; do
+  [ -e "$f" ] || continue
+  mkdir -p "$RES" && $PY - "$f" "$RES" "$SHA" <<'EOF'
+import json, sys
+from pathlib import Path
+f, res, sha = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
+d = json.loads(f.read_text()); d["commit_hash"] = sha
+(res / (sha[:8] + f.name[8:])).write_text(json.dumps(d))
+print(f"starting from {f} ({len(d['results'])} results)")
+EOF
+done
 t_asv=$(date +%s)
 $PY -m asv run --python=same --set-commit-hash "$SHA" --machine "$MACHINE" --launch-method spawn \
   --record-samples -a rounds=1 --show-stderr "${BENCH[@]}" 2>&1 | tee "$OUT/asv_run.log" \
   | grep -v "^\s*$" | grep -v "^\s*For parameters\|asv: skipped" | tail -150
 echo "asv exit status: ${PIPESTATUS[0]} (2: a benchmark failed); asv took $(( $(date +%s) - t_asv ))s"
 
-RES=.asv/results/$MACHINE  # asv.conf.json results_dir: local, not the curated results/asv
 if [ -n "${FP8_RELOAD_COMMIT:-}" ] && [ "$SHA" != "$FP8_RELOAD_COMMIT" ]; then
   $PY - "$RES" "$SHA" "$FP8_RELOAD_COMMIT" <<'EOF'
 import json, sys

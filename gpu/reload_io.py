@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 import fp8_reload as fr
+import fp8_reload.reload.chunks as chunks
 import fp8_reload.reload.transaction as transaction
 from fp8_reload.checkpoint.staging import held
 from fp8_reload.testing import io_paths
@@ -134,13 +135,18 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
         s, moved = timed(lambda: io_paths.load_instanttensor(files, fdst), repeat=5)
         row("instanttensor, tensor filter, 1 expert per MoE layer", s, moved)
 
-    # cold: files evicted (registrations released first: pinned pages cannot be dropped)
-    if "registered" in held(model):
-        held(model)["registered"].release()
-    io_paths.touch(files)
-    io_paths.evict(files)
-    s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
-    row("COLD fp8-reload streaming (buffered reads + readahead)", s, rep.bytes_read, phases=phases(rep))
+    # cold: files evicted (registrations released first: pinned pages cannot be dropped);
+    # new stamps: a first reload, its values checked; FP8_RELOAD_IO's two ways
+    for how in ("buffered", "direct"):
+        if "registered" in held(model):
+            held(model)["registered"].release()
+        io_paths.touch(files)
+        io_paths.evict(files)
+        chunks.READ_IO = how
+        s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
+        chunks.READ_IO = "buffered"
+        row(f"COLD fp8-reload streaming, {'buffered reads + readahead' if how == 'buffered' else 'O_DIRECT'}",
+            s, rep.bytes_read, phases=phases(rep), direct_bytes=rep.bytes_direct)
     if io_paths.available("instanttensor"):
         for direct in (True, False):
             io_paths.evict(files)
@@ -152,6 +158,11 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     io_paths.evict(files)
     s, _ = timed(lambda: io_paths.page_cache_read(files, limit.src))
     row("COLD disk -> pinned, 16 threads preadv (limit)", s, file_bytes)
+    limit.src = None  # (the O_DIRECT read puts each file on a block boundary: a little more)
+    aligned = io_paths.pinned(io_paths.direct_bytes(files))
+    io_paths.evict(files)
+    s, _ = timed(lambda: io_paths.page_cache_read(files, aligned, direct=True))
+    row("COLD disk -> pinned, 16 threads preadv O_DIRECT (limit)", s, file_bytes)
     dst.clear()
     _same_as_fresh(model, path, label, limit)
 

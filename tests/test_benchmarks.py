@@ -27,7 +27,7 @@ import torch
 import fp8_reload as fr
 
 REPO = Path(__file__).resolve().parents[1]
-MODULES = ["reload", "processing", "forward", "accuracy", "grouped"]
+MODULES = ["reload", "processing", "forward", "accuracy", "io", "grouped"]
 # Why a benchmark may skip on a machine without CUDA.
 CPU_SKIPS = ("needs a CUDA device", "needs triton", "needs deep_gemm", "is not available")
 # why a case of the tiny preset skips on a GPU host too (DeepGEMM's 128-wide tiles)
@@ -321,19 +321,20 @@ def test_grouped_figures_are_the_per_process_benchmarks_figures(suite, ran):
     _, mods = suite
     g = mods["grouped"]
     for name in ("FilteredReload", "FullReload", "RawReadCopy", "ReloadDeviceMemory", "ProcessMoELayer",
-                 "MoEForward", "ForwardAccuracy", "DeepGemmScaleMode", "ValidateStaged"):
+                 "MoEForward", "ForwardAccuracy", "DeepGemmScaleMode", "ValidateStaged", "IOPaths"):
         mod = next(m for m in mods.values() if m is not g and hasattr(m, name))
         assert getattr(g, name).params == getattr(mod, name).params, name
         assert getattr(g, name).param_names == getattr(mod, name).param_names, name
-    cases = g.reload_cases() + g.forward_cases()
+    assert g.IOS == mods["io"].IOS
+    cases = g.reload_cases() + g.forward_cases() + g.io_cases()
     for name, params in cases:
         cls, method = name.split(".")
         track = method if method.startswith("track_") else f"track_{method}"
         v = ran[(f"{cls}.{track}@grouped", params)]
         assert not isinstance(v, str) or any(r in v for r in CPU_SKIPS + SHAPE_SKIPS), (name, params, v)
     import re
-    sel = g.selection()
-    assert len(sel) == len(cases)
+    sel = g.selection(list(g.GROUPS))
+    assert len(sel) == len(cases) and len(g.selection()) == len(cases) - len(g.io_cases())
     for name, params in cases:
         cls, method = name.split(".")
         track = method if method.startswith("track_") else f"track_{method}"

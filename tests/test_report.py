@@ -256,3 +256,35 @@ def test_grouped_track_times_read_as_the_time_benchmarks(tmp_path):
     hl = headline(df)
     row = hl[(hl.kind == "fp8") & hl.figure.str.startswith("full reload")].iloc[0]
     assert row["value"] == 80.0
+
+
+def test_io_paths_sit_beside_the_limits_of_the_same_run(tmp_path):
+    """The I/O table (`benchmarks/io.py`, grouped as ``track_time_move``): GB/s of the tensor
+    bytes each case moves, and shares of the run's own limits (full scope only)."""
+    from fp8_reload.tools.report.io_paths import moved_bytes
+
+    root = tmp_path / "asv"
+    name = "grouped.IOPaths.track_time_move"
+    ios = ["limit-h2d", "limit-read", "limit-read-direct", "fp8-reload", "fp8-reload-direct"]
+    params = [["small"], ["fp8"], ios, ["full", "1/layer"], ["warm", "cold"]]
+    write_benchmarks_json(root, {name: (["preset", "kind", "io", "scope", "cache"], params, "seconds")})
+    write_machine(root, "box")
+    # per io: (full, warm), (full, cold), (1/layer, warm), (1/layer, cold); limits: full only
+    times = [0.01, NAN, NAN, NAN, 0.015, 0.6, NAN, NAN, 0.5, 0.5, NAN, NAN,
+             0.025, 0.7, 0.001, 0.3, 0.5, 0.5, 0.02, 0.02]
+    write_result(root, "box", "e" * 40, {name: (params, times)})
+    written = write_report(root, tmp_path / "r")
+    table = pd.read_csv(written["io.csv"])
+    full = moved_bytes("small", "fp8", "full")
+    def case(io, scope, cache):
+        return table[(table.io == io) & (table.scope == scope) & (table.cache == cache)].iloc[0]
+
+    row = case("fp8-reload", "full", "warm")
+    assert row["ms"] == 25.0 and math.isclose(row["GB/s"], round(full / 0.025 / 1e9, 2), abs_tol=0.01)
+    assert row["of H2D limit"] == "40%" and row["of read limit"] == "60%"  # 0.010 / 0.025, 0.015 / 0.025
+    cold = case("fp8-reload-direct", "full", "cold")
+    assert cold["of read limit"] == "100%" and cold["of H2D limit"] == "2%"  # the O_DIRECT read: 0.5 s
+    one = case("fp8-reload", "1/layer", "warm")
+    assert one["ms"] == 1.0 and pd.isna(one["of H2D limit"])
+    assert moved_bytes("small", "fp8", "1/layer") < full / 10
+    assert "## I/O paths" in written["headline.md"].read_text()

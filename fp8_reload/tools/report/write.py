@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..markdown import markdown_table
 from ..usage import UsageError
+from .io_paths import io_table
 from .load import load_results, machine_info, result_dirs
 from .plots import plot_forward, plot_reload
 from .rebalance import ep_forward_table, rebalance_table
@@ -66,6 +67,7 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
         sc.to_csv(out_dir / "scales.csv", index=False)
         written["scales.csv"] = out_dir / "scales.csv"
     md = format_markdown(df, hl, fw, dirs, sc, stat)
+    md += write_io(df, out_dir, written)
     md += write_expert_parallel(df, out_dir, written)
     (out_dir / "headline.md").write_text(md)
     written["headline.md"] = out_dir / "headline.md"
@@ -74,6 +76,21 @@ def write_report(results_dir="results/asv", out_dir="results/report", machine: s
         if fn(data, out_dir / name):
             written[name] = out_dir / name
     return written
+
+
+def write_io(df, out_dir: Path, written: dict) -> str:
+    """io.csv where the results have I/O paths (`benchmarks/io.py`); its Markdown section."""
+    table = io_table(df)
+    if table.empty:
+        return ""
+    table.to_csv(out_dir / "io.csv", index=False)
+    written["io.csv"] = out_dir / "io.csv"
+    return "\n".join(["", "## I/O paths", "",
+                      "Moving a checkpoint's tensors (all, or expert 0 of every MoE layer) into device "
+                      "memory, page cache warm or evicted, beside the limits measured in the same run: "
+                      "one pinned host-to-device copy, and 16 threads of positional reads (cold: "
+                      "O_DIRECT, the disk's). GB/s count tensor bytes.", "",
+                      markdown_table(table.round(2), cell=_cell), ""])
 
 
 def write_expert_parallel(df, out_dir: Path, written: dict) -> str:
