@@ -41,9 +41,15 @@ _keys = itertools.count(1)
 _failed: list[str] = []  # why the processes could not start here (then threads read)
 
 
+def shareable() -> bool:
+    """Whether a `SharedBuffer` can be made here (a ring for reader threads is one too: its
+    slots start on page boundaries, as O_DIRECT reads need, where pinned tensors may not)."""
+    return sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+
+
 def supported() -> bool:
-    return (READERS == "processes" and not _failed and sys.platform.startswith("linux")
-            and hasattr(os, "memfd_create") and hasattr(socket, "send_fds") and bool(sys.executable))
+    return (READERS == "processes" and not _failed and shareable() and hasattr(socket, "send_fds")
+            and bool(sys.executable))
 
 
 class SharedBuffer:

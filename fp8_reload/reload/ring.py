@@ -4,11 +4,12 @@
 slot of a ring of `chunks.RING_SLOTS` buffers, and hands it to `land` once read whole; a
 slot is refilled only once what was landed from it has run (the event `land` returned).
 
-The readers are processes where the system allows (`checkpoint.read_procs`: the ring is
-then shared memory, registered with the CUDA driver for a GPU reload): the thread landing
-the chunks then shares its GIL with nobody, and each of its calls costs what it costs
-alone. Otherwise, or while another ring of this process uses them, reader threads
-(`staging.reader_pool`).
+The readers are processes where the system allows (`checkpoint.read_procs`): the thread
+landing the chunks then shares its GIL with nobody, and each of its calls costs what it
+costs alone. Otherwise, or while another ring of this process uses them, reader threads
+(`staging.reader_pool`). The ring is shared memory wherever Linux gives memfd (for
+threads too: its slots start on page boundaries, as direct reads need), registered with
+the CUDA driver for a GPU reload.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def ring_for(model, nbytes: int, pin: bool) -> Ring:
             ring.release()  # pinned memory is precious: the old one goes first
         slot_bytes = ch.round_up(max(nbytes, ch.CHUNK_BYTES), ch.DIRECT_ALIGN)  # slots start on blocks
         ring = things["ring"] = Ring(ch.RING_SLOTS, slot_bytes, pin,
-                                     shared=read_procs.supported())
+                                     shared=read_procs.shareable())
     return ring
 
 
