@@ -6,7 +6,7 @@
 #   PHASES=1 bash gpu/asv_suite.sh        # also where reload time goes, per phase (+~30 s)
 #   FP8_RELOAD_COMMIT=<sha> bash gpu/asv_suite.sh   # record results under this commit when
 #                                                # the copy on the device has no .git
-#   GROUPS=io bash gpu/asv_suite.sh       # the I/O paths beside the limits (benchmarks/io.py:
+#   BENCH_GROUPS=io bash gpu/asv_suite.sh # the I/O paths beside the limits (benchmarks/io.py:
 #                                         # warm and cold, ~60 figures, minutes of disk reads)
 #
 # Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
@@ -123,7 +123,7 @@ echo "== asv run (spawn; benchmarks.grouped: 2 measuring processes + one lookup 
 # Each figure of the report is one case of benchmarks/grouped.py: the two groups'
 # setup_cache processes measure them (3 samples each, the best kept), the lookup
 # processes (no torch) hand them to asv. The selection is exactly those cases.
-mapfile -t CASES < <($PY -m benchmarks.grouped "${GROUPS:-reload,forward}")
+mapfile -t CASES < <($PY -m benchmarks.grouped "${BENCH_GROUPS:-reload,forward}")
 BENCH=()
 for c in "${CASES[@]}"; do BENCH+=(-b "$c"); done
 echo "${#CASES[@]} figures"
