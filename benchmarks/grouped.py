@@ -220,4 +220,7 @@ if __name__ == "__main__":  # python -m benchmarks.grouped [GROUP,...]: the sele
     import sys
 
     groups = sys.argv[1].split(",") if len(sys.argv) > 1 else ["reload", "forward"]
+    unknown = sorted(set(groups) - set(GROUPS))
+    if unknown:
+        sys.exit(f"unknown group(s) {', '.join(unknown)}: choose from {', '.join(GROUPS)}")
     print("\n".join(selection(groups)))

@@ -79,7 +79,7 @@ CKPT_PID=$!
 
 echo
 echo "== JIT caches (DeepGEMM / Triton kernels of the token counts the suite runs, compiled in parallel once)"
-if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ]; then
+if [ "$FP8_RELOAD_BENCH_DEVICE" = cuda ] && [[ ",${BENCH_GROUPS:-forward}," == *,forward,* ]]; then
   $PY -m fp8_reload bench-kernels --jit-only --jit-procs 12 --no-gemm \
     --tokens "${FP8_RELOAD_PREWARM_TOKENS:-128,512,4096}" --out "$OUT/jit" 2>&1 | tail -3
 fi
