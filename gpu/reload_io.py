@@ -28,6 +28,7 @@ import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.chunks as chunks
+import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction
 from fp8_reload.checkpoint.staging import held
 from fp8_reload.testing import io_paths
@@ -101,6 +102,12 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     fr.update_weights_from_disk(model, path, flt)
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
+    held(model)["registered"].release()  # the first two EPLB steps: through the readers' ring
+    to_device.REGISTER = "never"
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
+    to_device.REGISTER = "auto"
+    row("  the same through the ring (shards not registered yet)", s, rep.bytes_read,
+        phases=phases(rep))
 
     if quick:  # fp8-reload's rows and the limits only
         return _same_as_fresh(model, path, label, limit)

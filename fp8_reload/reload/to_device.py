@@ -10,10 +10,13 @@ Two sources:
   and one copy out of each buffer.
 
 Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
-shard the second time a reload reads most of it under the same stamps (what EPLB and RL
+shard the second time a reload reads from it under the same stamps (what EPLB and RL
 weight sync do; registering costs about one read of the file, so a checkpoint read once
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
-default half the host's memory); ``always``; ``never``. Under ``FP8_RELOAD_IO=direct``
+default half the host's memory); ``always``; ``never``. A reload that reads little of a
+shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
+``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.2 s on an H200
+host): a large checkpoint gets registered over several steps, not in one. Under ``FP8_RELOAD_IO=direct``
 ``auto`` registers nothing: a registration is the file's pages in the page cache, which
 direct reads keep clear.
 
@@ -45,6 +48,7 @@ from .ring import ring_for, stream_through_ring
 from .targets import Target
 
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
+REGISTER_STEP = int(os.environ.get("FP8_RELOAD_REGISTER_STEP", 4 << 30))
 WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 
 
@@ -115,7 +119,7 @@ class RowTables:
 
 def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
     """{file: RegisteredFile} for the chunks' files this reload reads from registered
-    memory. `ckpt.reads` counts, per file, the reloads that read most of it (the parsed
+    memory. `ckpt.reads` counts, per file, the reloads that read from it (the parsed
     checkpoint lives while the files' stamps are unchanged)."""
     shards: RegisteredShards = holder(model, "registered", RegisteredShards)
     if REGISTER == "never":
@@ -124,19 +128,21 @@ def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
     read: dict[str, int] = {}
     for c in chunks:
         read[c.file] = read.get(c.file, 0) + c.nbytes
-    out = {}
+    out, step = {}, REGISTER_STEP
     for fname, nbytes in read.items():
         path = ckpt.path / fname
         parsed = ckpt.parsed_stamp(fname)  # (size is its third field: no stat here)
         size = parsed[2]
-        mostly = 2 * nbytes >= size
-        if mostly:
-            ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
-        want = REGISTER == "always" or (mostly and ckpt.reads.get(fname, 0) >= 2 and cache_ok)
+        mostly = 2 * nbytes >= size  # registering costs this reload about nothing extra
+        ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
+        want = REGISTER == "always" or (ckpt.reads[fname] >= 2 and cache_ok
+                                        and (mostly or size <= step))
         current = shards.current(path)
         if current is None and want and shards.nbytes() + size <= _register_budget():
             with trace.range("fp8_reload/register", payload=size):
                 current = shards.get(path)
+            if current is not None and not mostly:
+                step -= size
         # a writer may have renamed a new version in since the plan: its bytes are not at
         # the parsed offsets; the ring's `open_shard` refuses it with a clear error
         if current is not None and current.stamp == parsed:
