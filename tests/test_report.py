@@ -288,3 +288,28 @@ def test_io_paths_sit_beside_the_limits_of_the_same_run(tmp_path):
     assert one["ms"] == 1.0 and pd.isna(one["of H2D limit"])
     assert moved_bytes("small", "fp8", "1/layer") < full / 10
     assert "## I/O paths" in written["headline.md"].read_text()
+
+
+def test_a_run_of_one_group_adds_to_the_run_before(tmp_path):
+    """`BENCH_GROUPS=io` runs the I/O group alone: the report keeps the reload figures of the
+    run before it and labels each commit with its classes; a class an older run measured
+    per process (outside the grouped suite) does not come back."""
+    root = tmp_path / "asv"
+    gfull, gio = "grouped.FullReload.track_time_reload", "grouped.IOPaths.track_time_move"
+    io_params = [["small"], ["fp8"], ["limit-h2d"], ["full"], ["warm"]]
+    write_benchmarks_json(root, {
+        gfull: (["preset", "kind"], [["small"], ["fp8"]], "seconds"),
+        gio: (["preset", "kind", "io", "scope", "cache"], io_params, "seconds"),
+        EX: (["preset", "scale_mode"], [["small"], ["cached"]], "seconds")})
+    write_machine(root, "box")
+    write_result(root, "box", "a" * 40, {EX: ([["small"], ["cached"]], [1e-6])}, started_at=1000)
+    write_result(root, "box", "b" * 40, {gfull: ([["small"], ["fp8"]], [0.5])}, started_at=2000)
+    write_result(root, "box", "c" * 40, {gfull: ([["small"], ["fp8"]], [0.1])}, started_at=3000)
+    write_result(root, "box", "d" * 40, {gio: (io_params, [0.01])}, started_at=4000)
+    df = load_results(root)
+    assert sorted(zip(df["benchmark"], df["commit"].str[0], df["value"])) == [
+        ("grouped.FullReload.time_reload", "c", 0.1), ("grouped.IOPaths.time_move", "d", 0.01)]
+    write_report(root, tmp_path / "r")
+    md = (tmp_path / "r" / "headline.md").read_text()
+    assert "## box (commit cccccccc: FullReload; commit dddddddd: IOPaths)" in md
+    assert set(headline(df)["commit"]) == {"cccccccc"}

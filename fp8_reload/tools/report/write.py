@@ -8,7 +8,7 @@ from pathlib import Path
 from ..markdown import markdown_table
 from ..usage import UsageError
 from .io_paths import io_table
-from .load import load_results, machine_info, result_dirs
+from .load import bench_class, load_results, machine_info, result_dirs
 from .plots import plot_forward, plot_reload
 from .rebalance import ep_forward_table, rebalance_table
 from .tables import forward_table, headline, scales_table
@@ -115,8 +115,7 @@ def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
               "`asv_value` in results.csv)." if stat == "best" else "Times: asv's median."), ""]
     for machine, mdf in df.groupby("machine"):
         info = machine_info(results_dir, machine)
-        commit = mdf["commit"].iloc[0][:8]
-        parts.append(f"## {machine} (commit {commit})")
+        parts.append(f"## {machine} ({_commits(mdf)})")
         parts.append("")
         parts.append(", ".join(f"{k}: {v}" for k, v in info.items() if k != "machine"))
         parts.append("")
@@ -143,6 +142,16 @@ def format_markdown(df, hl, fw, results_dir, sc=None, stat="median") -> str:
                          + ", ".join(sorted(set(failed["benchmark"]))))
             parts.append("")
     return "\n".join(parts)
+
+
+def _commits(mdf) -> str:
+    """``commit abcd1234``, or, where benchmark classes come from runs of several
+    commits, each commit with its classes (newest run last)."""
+    runs = mdf.assign(cls=bench_class(mdf)).groupby(["run_at", "commit"])["cls"]
+    runs = [(c[:8], sorted(set(classes))) for (_, c), classes in runs]
+    if len({c for c, _ in runs}) == 1:
+        return f"commit {runs[0][0]}"
+    return "; ".join(f"commit {c}: {', '.join(classes)}" for c, classes in runs)
 
 
 def command(args) -> int:
