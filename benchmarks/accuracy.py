@@ -15,10 +15,10 @@ from .common import (
     BACKENDS,
     PRESETS,
     CheckpointSuite,
-    RoutedBatch,
     checkpoint_key,
     requires_backend,
 )
+from .fixtures import RoutedBatch
 
 
 class ForwardAccuracy(CheckpointSuite):

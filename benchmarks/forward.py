@@ -14,12 +14,12 @@ from .common import (
     PRESETS,
     TOKENS,
     CheckpointSuite,
-    RoutedBatch,
     checkpoint_key,
     require,
     requires_backend,
     synchronized,
 )
+from .fixtures import RoutedBatch
 
 _warm: set = set()
 # (current place, place before the package layout change)

@@ -11,7 +11,8 @@ and the time ends when the device has finished (`synchronized`).
 
 from __future__ import annotations
 
-from .common import KINDS, PRESETS, CheckpointSuite, UnprocessedLayer, checkpoint_key, synchronized
+from .common import KINDS, PRESETS, CheckpointSuite, checkpoint_key, synchronized
+from .fixtures import UnprocessedLayer
 
 # name -> (processing mode, experts loaded since the last processing)
 IMPLS = {

@@ -34,13 +34,13 @@ from .common import (
     checkpoint_key,
     device_peak_bytes,
     fraction_experts,
-    loaded_model,
     moved,
     require,
     requires_cuda,
     sync,
     synchronized,
 )
+from .fixtures import loaded_model
 
 STRATEGIES = {
     "fixed": {},

@@ -4,7 +4,7 @@
 
 1. Post-processing of one v2-lite MoE layer (64 experts), both checkpoint kinds: sglang's
    per-expert loop (upstream) vs the fixed mode, all experts and one expert, through the
-   asv benchmark's own fixture (`benchmarks.common.UnprocessedLayer`: both sides start from
+   asv benchmark's own fixture (`benchmarks.fixtures.UnprocessedLayer`: both sides start from
    the same unprocessed state on the device), CUDA events around `process()` only.
 2. The Triton MoE forward at 128 / 1024 / 4096 tokens: eager (CUDA events), host time per
    call, CUDA-graph replay, and the roofline (bytes and FLOPs over the H200's limits).
@@ -64,7 +64,7 @@ def event_ms(fn, before=None, n=20) -> float:
 
 def processing(root: Path, rows: list) -> None:
     os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
-    from benchmarks.common import UnprocessedLayer
+    from benchmarks.fixtures import UnprocessedLayer
 
     cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
     for kind in ("fp8", "bf16"):

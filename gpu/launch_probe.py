@@ -44,7 +44,7 @@ os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
 from process_probe import back_to_back, per_call  # noqa: E402
 
 import fp8_reload as fr  # noqa: E402
-from benchmarks.common import UnprocessedLayer  # noqa: E402
+from benchmarks.fixtures import UnprocessedLayer  # noqa: E402
 from fp8_reload.kernels.triton.runtime import tl, triton  # noqa: E402
 from fp8_reload.processing import ops  # noqa: E402
 from fp8_reload.testing import capture_graph, host_time_per_call  # noqa: E402

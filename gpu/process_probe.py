@@ -3,7 +3,7 @@
     python3 gpu/process_probe.py [--no-tests]
 
 On a v2-lite:2 checkpoint of each kind, through the asv benchmark's own fixture
-(`benchmarks.common.UnprocessedLayer`, the loaded-but-unprocessed state on the device):
+(`benchmarks.fixtures.UnprocessedLayer`, the loaded-but-unprocessed state on the device):
 
 1. one expert (what an EPLB reload processes): `process()` timed per call from the
    restored state (host wall to the sync, and CUDA events; median of 200), and back to
@@ -37,7 +37,7 @@ os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
 from kernels_probe import launch_overhead  # noqa: E402
 
 import fp8_reload as fr  # noqa: E402
-from benchmarks.common import UnprocessedLayer  # noqa: E402
+from benchmarks.fixtures import UnprocessedLayer  # noqa: E402
 from fp8_reload.testing import host_time_per_call  # noqa: E402
 
 

@@ -155,7 +155,7 @@ def main():
             torch.cuda.empty_cache()
     if "process" in what:
         os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
-        from benchmarks.common import UnprocessedLayer
+        from benchmarks.fixtures import UnprocessedLayer
 
         cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
         for kind in ("fp8", "bf16"):

@@ -48,11 +48,16 @@ def suite():
             for k, v in ENV.items():
                 mp.setenv(k, v)
             common = importlib.reload(importlib.import_module("benchmarks.common"))
+            importlib.reload(importlib.import_module("benchmarks.fixtures"))  # binds common's DEVICE
             mods = {m: importlib.reload(importlib.import_module(f"benchmarks.{m}")) for m in MODULES}
     finally:
         torch.set_num_threads(threads)
     assert common.PRESETS == ["tiny"]
     return common, mods
+
+
+def _fixtures():
+    return importlib.import_module("benchmarks.fixtures")  # (reloaded by `suite`)
 
 
 def discover(mods):
@@ -209,7 +214,7 @@ def test_each_timed_post_processing_starts_from_the_same_state(suite, tmp_path, 
     common, mods = suite
     processing, scope = mods["processing"].IMPLS[impl]
     path = str(fr.write_checkpoint(tmp_path / kind, common.preset_config("tiny"), kind=kind))
-    state = common.UnprocessedLayer(path, processing, scope)
+    state = _fixtures().UnprocessedLayer(path, processing, scope)
     before = _layer_bytes(state.layer)
     state.process()
     first = _layer_bytes(state.layer)
@@ -293,7 +298,7 @@ def test_forward_fixture_layer_equals_the_fully_loaded_models_layer(suite, tmp_p
     common, _ = suite
     cfg = common.preset_config("tiny")
     path = str(fr.write_checkpoint(tmp_path / "fp8", cfg, kind="fp8"))
-    batch = common.RoutedBatch(path, 16)
+    batch = _fixtures().RoutedBatch(path, 16)
     full = fr.load_model(path, device=common.DEVICE)
     layer = full.model.layers[cfg.moe_layers[0]].mlp.experts
     for name, p in layer.named_parameters():
