@@ -103,9 +103,11 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
     held(model)["registered"].release()  # the first two EPLB steps: through the readers' ring
-    to_device.REGISTER = "never"
-    s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
-    to_device.REGISTER = "auto"
+    policy, to_device.REGISTER = to_device.REGISTER, "never"
+    try:
+        s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
+    finally:
+        to_device.REGISTER = policy
     row("  the same through the ring (shards not registered yet)", s, rep.bytes_read,
         phases=phases(rep))
 

@@ -21,12 +21,15 @@ def _q(v) -> str:
 
 
 def write_benchmarks_json(root: Path, specs: dict) -> None:
-    """specs: {name: (param_names, params, unit)}"""
+    """specs: {name: (param_names, params, unit[, setup_cache_key])}: the key names the
+    grouped suite's group (its `setup_cache`), as asv writes it."""
     data = {"version": 2}
-    for name, (names, params, unit) in specs.items():
+    for name, (names, params, unit, *key) in specs.items():
         data[name] = {"name": name, "param_names": names,
                       "params": [[_q(v) for v in ps] for ps in params], "unit": unit,
                       "type": name.rsplit(".", 1)[-1].split("_", 1)[0], "version": "x"}
+        if key:
+            data[name]["setup_cache_key"] = key[0]
     root.mkdir(parents=True, exist_ok=True)
     (root / "benchmarks.json").write_text(json.dumps(data))
 

@@ -3,9 +3,10 @@
 The policy is host-side bookkeeping and runs on CPU with the driver call replaced: a
 shard is registered the second time reloads read from it under the same stamps; a
 reload that reads little of its shards (an EPLB step) registers at most
-`REGISTER_STEP` bytes of them; a reload reading most of a shard always may (it pays
-about a read of the file anyway); direct I/O registers nothing. On CUDA, the real
-registration and the bytes it moves are covered by `test_stream.py`.
+`REGISTER_STEP` bytes of them, or one shard larger than that; a reload reading most of
+a shard always may (it pays about a read of the file anyway); direct I/O registers nothing. On CUDA, the real
+registration, the bytes it moves and that it runs outside the weights lock are covered
+by `test_stream.py`.
 """
 
 from __future__ import annotations
@@ -37,10 +38,9 @@ def driver(monkeypatch):
     return calls
 
 
-def _reads(ckpt, share: float) -> list:
-    """One chunk per shard reading `share` of its bytes."""
-    return [SimpleNamespace(file=f, nbytes=int(share * ckpt.parsed_stamp(f)[2]))
-            for f in sorted(ckpt.shard_files)]
+def _reads(ckpt, share: float) -> dict:
+    """A reload reading `share` of every shard's bytes."""
+    return {f: int(share * ckpt.parsed_stamp(f)[2]) for f in sorted(ckpt.shard_files)}
 
 
 @pytest.fixture
@@ -77,7 +77,7 @@ def test_a_reload_reading_most_of_its_shards_registers_them_whatever_the_step(
     ckpt, model = sharded.ckpt, sharded.model
     monkeypatch.setattr(to_device, "REGISTER_STEP", 0)
     to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))  # an EPLB step first
-    assert to_device.registered_files(model, ckpt, _reads(ckpt, 0.05)) == {}  # step of 0
+    assert to_device.registered_files(model, ckpt, _reads(ckpt, 0.05)) == {}  # 0: no shard
     assert len(to_device.registered_files(model, ckpt, _reads(ckpt, 1.0))) == len(ckpt.shard_files)
 
 
@@ -91,3 +91,23 @@ def test_direct_reads_and_never_register_nothing(driver, sharded, monkeypatch):
     for _ in range(3):
         assert to_device.registered_files(model, ckpt, _reads(ckpt, 1.0)) == {}
     assert driver == []
+
+
+def test_a_shard_larger_than_the_step_is_registered_one_per_step(driver, sharded, monkeypatch):
+    """Review (helper 31): a shard over `REGISTER_STEP` was never registered by steps."""
+    ckpt, model = sharded.ckpt, sharded.model
+    monkeypatch.setattr(to_device, "REGISTER_STEP", 1)  # every shard is larger
+    n = len(ckpt.shard_files)
+    counts = [len(to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))) for _ in range(n + 1)]
+    assert counts == list(range(n + 1))
+
+
+def test_release_staging_forgets_the_reads_counted(driver, sharded):
+    """Review (helper 31): the counts outlived `release_staging`, and the next step after
+    it registered again at once, as if the checkpoint had been read since."""
+    ckpt, model = sharded.ckpt, sharded.model
+    to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))
+    assert len(to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))) == len(ckpt.shard_files)
+    fr.release_staging(model)
+    assert to_device.registered_files(model, ckpt, _reads(ckpt, 0.05)) == {}
+    assert len(driver) == len(ckpt.shard_files)

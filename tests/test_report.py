@@ -290,26 +290,67 @@ def test_io_paths_sit_beside_the_limits_of_the_same_run(tmp_path):
     assert "## I/O paths" in written["headline.md"].read_text()
 
 
+GFULL, GFILT = "grouped.FullReload.track_time_reload", "grouped.FilteredReload.track_time_reload"
+GIO = "grouped.IOPaths.track_time_move"
+IO_PARAMS = [["small"], ["fp8"], ["limit-h2d"], ["full"], ["warm"]]
+FILT_PARAMS = [["small"], ["fp8"], ["1/layer"], ["fixed"]]
+
+
+def _grouped_suite(root):
+    """benchmarks.json of two reload-group classes, the io group and a per-process class."""
+    write_benchmarks_json(root, {
+        GFULL: (["preset", "kind"], [["small"], ["fp8"]], "seconds", "grouped:104"),
+        GFILT: (["preset", "kind", "experts", "strategy"], FILT_PARAMS, "seconds", "grouped:104"),
+        GIO: (["preset", "kind", "io", "scope", "cache"], IO_PARAMS, "seconds", "grouped:126"),
+        EX: (["preset", "scale_mode"], [["small"], ["cached"]], "seconds")})
+    write_machine(root, "box")
+
+
+def _figures(df):
+    return sorted(zip(df["benchmark"].str.split(".").str[1], df["commit"].str[0], df["value"]))
+
+
 def test_a_run_of_one_group_adds_to_the_run_before(tmp_path):
     """`BENCH_GROUPS=io` runs the I/O group alone: the report keeps the reload figures of the
     run before it and labels each commit with its classes; a class an older run measured
     per process (outside the grouped suite) does not come back."""
     root = tmp_path / "asv"
-    gfull, gio = "grouped.FullReload.track_time_reload", "grouped.IOPaths.track_time_move"
-    io_params = [["small"], ["fp8"], ["limit-h2d"], ["full"], ["warm"]]
-    write_benchmarks_json(root, {
-        gfull: (["preset", "kind"], [["small"], ["fp8"]], "seconds"),
-        gio: (["preset", "kind", "io", "scope", "cache"], io_params, "seconds"),
-        EX: (["preset", "scale_mode"], [["small"], ["cached"]], "seconds")})
-    write_machine(root, "box")
+    _grouped_suite(root)
+    small = [["small"], ["fp8"]]
     write_result(root, "box", "a" * 40, {EX: ([["small"], ["cached"]], [1e-6])}, started_at=1000)
-    write_result(root, "box", "b" * 40, {gfull: ([["small"], ["fp8"]], [0.5])}, started_at=2000)
-    write_result(root, "box", "c" * 40, {gfull: ([["small"], ["fp8"]], [0.1])}, started_at=3000)
-    write_result(root, "box", "d" * 40, {gio: (io_params, [0.01])}, started_at=4000)
+    write_result(root, "box", "b" * 40, {GFULL: (small, [0.5])}, started_at=2000)
+    write_result(root, "box", "c" * 40, {GFULL: (small, [0.1]), GFILT: (FILT_PARAMS, [0.01])},
+                 started_at=3000)
+    write_result(root, "box", "d" * 40, {GIO: (IO_PARAMS, [0.01])}, started_at=4000)
     df = load_results(root)
-    assert sorted(zip(df["benchmark"], df["commit"].str[0], df["value"])) == [
-        ("grouped.FullReload.time_reload", "c", 0.1), ("grouped.IOPaths.time_move", "d", 0.01)]
+    assert _figures(df) == [("FilteredReload", "c", 0.01), ("FullReload", "c", 0.1), ("IOPaths", "d", 0.01)]
     write_report(root, tmp_path / "r")
     md = (tmp_path / "r" / "headline.md").read_text()
-    assert "## box (commit cccccccc: FullReload; commit dddddddd: IOPaths)" in md
+    assert "## box (commit cccccccc: FilteredReload, FullReload; commit dddddddd: IOPaths)" in md
     assert set(headline(df)["commit"]) == {"cccccccc"}
+
+
+def test_a_group_that_ran_replaces_its_older_figures_whole(tmp_path):
+    """Review (helper 31): classes were filled in one by one, so a newer run of the reload
+    group lacking one class showed that class from an older commit beside the others (and
+    the headline named either commit by file order)."""
+    root = tmp_path / "asv"
+    _grouped_suite(root)
+    small = [["small"], ["fp8"]]
+    write_result(root, "box", "c" * 40, {GFULL: (small, [0.1]), GFILT: (FILT_PARAMS, [0.01])},
+                 started_at=3000)
+    write_result(root, "box", "0" * 40, {GFULL: (small, [0.2])}, started_at=4000)
+    df = load_results(root)
+    assert _figures(df) == [("FullReload", "0", 0.2)]
+    assert set(headline(df)["commit"]) == {"00000000"}
+
+
+def test_grouped_figures_do_not_come_back_under_a_per_process_run(tmp_path):
+    """Review (helper 31): a newer run of the per-process suite brought the grouped figures
+    of an older run back beside its own."""
+    root = tmp_path / "asv"
+    _grouped_suite(root)
+    small = [["small"], ["fp8"]]
+    write_result(root, "box", "c" * 40, {GFULL: (small, [0.1]), GIO: (IO_PARAMS, [0.01])}, started_at=3000)
+    write_result(root, "box", "e" * 40, {EX: ([["small"], ["cached"]], [1e-6])}, started_at=4000)
+    assert [c for _, c, _ in _figures(load_results(root))] == ["e"]

@@ -17,6 +17,7 @@ import fp8_reload.checkpoint.header as header_mod
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as transaction_mod
+from fp8_reload.checkpoint.staging import held
 from fp8_reload.layers import EXPERT_RE
 from fp8_reload.reload.chunks import make_chunks
 from fp8_reload.reload.targets import plan_targets
@@ -84,6 +85,30 @@ def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts
         report = fr.update_weights_from_disk(model, ckpts["fp8", 1], flt_)
         assert 0 < sum(host_to_device) <= report.bytes_read * 9 // 8, (what, sum(host_to_device),
                                                                       report.bytes_read)
+
+
+def test_shards_are_registered_before_the_weights_lock(ckpts, monkeypatch):
+    """Registering faults a shard's pages in (up to `REGISTER_STEP` bytes per reload):
+    done under the weights lock (review, helper 31), it stalled every forward for it."""
+    import fp8_reload.checkpoint.registered as registered_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("registration is a CUDA path")
+    monkeypatch.setattr(to_device, "REGISTER", "auto")
+    model = fr.load_model(ckpts["fp8", 0], device="cuda")
+    writing, real = [], registered_mod.register
+
+    def spy(path):
+        writing.append(model.weights_lock.writing)
+        return real(path)
+
+    monkeypatch.setattr(registered_mod, "register", spy)
+    flt = fr.generate_weight_name_filter(SPEC)
+    for _ in range(2):  # registered the second time
+        fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+    assert writing and not any(writing)
+    assert held(model)["registered"].files
+    fr.release_staging(model)
 
 
 @pytest.mark.parametrize("in_stream", [True, False], ids=["in-stream", "loaders"])

@@ -76,7 +76,6 @@ class Checkpoint:
         self.shard_files = sorted(set(self.weight_map.values()))
         # kept with this parsed checkpoint, i.e. while `unchanged()`:
         self.checked: set[str] = set()  # tensors whose values a reload has checked
-        self.reads: dict[str, int] = {}  # per shard, reloads that read from it
         self.plans: dict = {}  # by model: what planning its reloads works out once (reload/plan.py)
         self.scalars: dict[str, float] = {}  # 0-dim scales read once (reload/chunks.py)
         self.advised: set[tuple[str, int, int]] = set()  # read-ahead asked for (reload/chunks.py)

@@ -119,6 +119,7 @@ class RegisteredShards:
     def __init__(self):
         self.files: dict[str, RegisteredFile] = {}
         self.refused: set[tuple] = set()  # (path, stamp) registration failed for: not retried
+        self.reads: dict[tuple, int] = {}  # (path, stamp): reloads that read from it
 
     def current(self, path) -> RegisteredFile | None:
         """`path` registered, if its stamp still matches; a changed file is released."""
@@ -152,3 +153,4 @@ class RegisteredShards:
             f.release()
         self.files.clear()
         self.refused.clear()
+        self.reads.clear()

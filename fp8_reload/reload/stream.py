@@ -44,6 +44,12 @@ class Prepared:
     loaded: list[tuple[str, torch.Tensor]]  # (name, host tensor) for the modules' own loaders
     check: bool  # values not yet known good under these files' stamps
     whole: bool = True  # no filter: the next reload most likely lands the same copies
+    registered: dict | None = None  # on a GPU: the shards read from registered memory (to_device)
+
+    @property
+    def streamed(self) -> list[Target]:
+        """The targets `commit` streams from the files (the rest: scales and loaders)."""
+        return [t for t in self.targets if t.kind in ("copy", "quant")]
 
     @property
     def staged_bytes(self) -> int:
@@ -99,7 +105,7 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None, backu
     every backup copy at once (see `to_device.commit_cuda`). `device`: the model's (looked
     up when not given).
     """
-    streamed = [t for t in prep.targets if t.kind in ("copy", "quant")]
+    streamed = prep.streamed
     scalars = [t for t in prep.targets if t.kind == "scalar"]
     # the model's device, not a target's: a filtered bf16 reload may hold only quant targets
     # and loaders, which have no views (taken for a CPU reload, it once wrote nothing at all
@@ -138,7 +144,7 @@ def _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats, backup
     stream.wait_stream(torch.cuda.current_stream(device))
     if streamed:
         commit_cuda(model, prep.ckpt, streamed, writable, prep.check, stats, device, keep_tables=prep.whole,
-                    backup_ahead=backup_ahead)
+                    backup_ahead=backup_ahead, registered=prep.registered)
     # the scales last: written first, they would make the copy stream wait for the backup
     # of every module before its first copy (nothing of the two directions would overlap)
     with torch.cuda.stream(stream):

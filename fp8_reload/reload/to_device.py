@@ -16,8 +16,10 @@ never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET``
 default half the host's memory); ``always``; ``never``. A reload that reads little of a
 shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
 ``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.2 s on an H200
-host): a large checkpoint gets registered over several steps, not in one. Under ``FP8_RELOAD_IO=direct``
-``auto`` registers nothing: a registration is the file's pages in the page cache, which
+host), or one shard if that one is larger (0: such reloads register nothing): a large
+checkpoint gets registered over several steps, not in one. Registration runs before the
+weights lock: forwards do not wait for it. Under ``FP8_RELOAD_IO=direct`` ``auto``
+registers nothing: a registration is the file's pages in the page cache, which
 direct reads keep clear.
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
@@ -117,32 +119,40 @@ class RowTables:
         self.tables = {}
 
 
-def registered_files(model, ckpt, chunks: list[Chunk]) -> dict:
-    """{file: RegisteredFile} for the chunks' files this reload reads from registered
-    memory. `ckpt.reads` counts, per file, the reloads that read from it (the parsed
-    checkpoint lives while the files' stamps are unchanged)."""
+def bytes_by_file(targets: list[Target]) -> dict[str, int]:
+    read: dict[str, int] = {}
+    for t in targets:
+        read[t.info.file] = read.get(t.info.file, 0) + t.info.nbytes
+    return read
+
+
+def registered_files(model, ckpt, read: dict[str, int]) -> dict:
+    """{file: RegisteredFile} for the files of `read` ({file: bytes this reload reads})
+    that this reload reads from registered memory, registering those the policy wants.
+    Registering faults a file's pages in: the transaction calls this before it takes the
+    weights lock, so forwards never wait for it. The registry counts, per file and
+    stamps, the reloads that read from it; `release_staging` forgets the counts."""
     shards: RegisteredShards = holder(model, "registered", RegisteredShards)
     if REGISTER == "never":
         return {}
     cache_ok = _chunks.READ_IO != "direct"  # (direct reads keep the page cache clear)
-    read: dict[str, int] = {}
-    for c in chunks:
-        read[c.file] = read.get(c.file, 0) + c.nbytes
     out, step = {}, REGISTER_STEP
+    first = REGISTER_STEP > 0  # a step may take one shard larger than itself
     for fname, nbytes in read.items():
         path = ckpt.path / fname
         parsed = ckpt.parsed_stamp(fname)  # (size is its third field: no stat here)
         size = parsed[2]
         mostly = 2 * nbytes >= size  # registering costs this reload about nothing extra
-        ckpt.reads[fname] = ckpt.reads.get(fname, 0) + 1
-        want = REGISTER == "always" or (ckpt.reads[fname] >= 2 and cache_ok
-                                        and (mostly or size <= step))
+        key = (str(path), parsed)
+        shards.reads[key] = shards.reads.get(key, 0) + 1
+        want = REGISTER == "always" or (shards.reads[key] >= 2 and cache_ok
+                                        and (mostly or size <= step or first))
         current = shards.current(path)
         if current is None and want and shards.nbytes() + size <= _register_budget():
             with trace.range("fp8_reload/register", payload=size):
                 current = shards.get(path)
             if current is not None and not mostly:
-                step -= size
+                step, first = step - size, False
         # a writer may have renamed a new version in since the plan: its bytes are not at
         # the parsed offsets; the ring's `open_shard` refuses it with a clear error
         if current is not None and current.stamp == parsed:
@@ -239,19 +249,20 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
 
 
 def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict, device,
-                keep_tables: bool = True, backup_ahead=None) -> None:
+                keep_tables: bool = True, backup_ahead=None, registered: dict | None = None) -> None:
     """Copy every streamed target into place on `device` (the model's), then check the
     values (one read-back). `writable(module, slots)` makes the writes stream wait until
     those slots of `module` (all of it, for no slots) may be overwritten (their backup is
     taken). `backup_ahead()`, if given, queues the whole backup: called while the ring's
-    first reads run."""
+    first reads run. `registered`: `registered_files` of these targets, if called already."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
     checks: list[tuple[Target, torch.Tensor]] = []
     quant_checks: list | None = [] if check else None
     chunks = make_chunks(streamed)
-    registered = registered_files(model, ckpt, chunks)
+    if registered is None:
+        registered = registered_files(model, ckpt, bytes_by_file(streamed))
     direct, rest, windows = [], [], []
     for chunk in chunks:
         if chunk.file not in registered:

@@ -61,6 +61,7 @@ from .plan import (
 )
 from .stream import commit, prepare
 from .targets import write_order
+from .to_device import bytes_by_file, registered_files
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -205,6 +206,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if cuda else None
                     prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None)
+                    if cuda:  # registering faults shards in: here, not under the weights lock
+                        prepared.registered = registered_files(model, ckpt, bytes_by_file(prepared.streamed))
                     report.staged_bytes = prepared.staged_bytes
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)

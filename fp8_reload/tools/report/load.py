@@ -54,9 +54,9 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
     unit, params (dict), value (asv's result: the median for times), best (the
     lowest sample, where asv recorded samples), failed, plus one column per parameter name
     (e.g. preset, kind = checkpoint kind, experts, strategy, backend, tokens). For each
-    machine the newest run's results (by asv's ``started_at``) are kept, with those of the
-    grouped suite's classes from their newest run (one group run adds to the others),
-    unless `commit` (a hash prefix) picks one run.
+    machine the newest run's results (by asv's ``started_at``) are kept, with the grouped
+    suite's groups it did not run from their newest run (`_newest_runs`), unless `commit`
+    (a hash prefix) picks one run.
     """
     import pandas as pd
 
@@ -93,6 +93,8 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
                 for combo, value, smp in zip(_product(params), values, samples):
                     good = [x for x in smp or [] if x is not None and x == x]
                     row = {"machine": mdir.name, "commit": data["commit_hash"],
+                           # the group process a grouped class's figures come from
+                           "group": info.get("setup_cache_key") if bench.startswith("grouped.") else None,
                            "date": data.get("date"), "run_at": run_at, "file": f.name,
                            "benchmark": bench,
                            "module": bench.split(".", 1)[0],
@@ -107,13 +109,26 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
     df = pd.DataFrame(rows)
     if df.empty:
         return df
-    if not commit:  # per machine the newest run, and the grouped suite's classes that run
-        # lacks from their newest run: a run of some groups (`BENCH_GROUPS=io`) adds to the last
-        newest = df.groupby("machine")["run_at"].transform("max")
-        grouped = df[df["module"] == "grouped"]
-        newest_group = grouped.groupby([grouped["machine"], bench_class(grouped)])["run_at"].transform("max")
-        df = df[(df["run_at"] == newest) | (df["run_at"] == newest_group.reindex(df.index))]
+    if not commit:
+        df = _newest_runs(df)
     return _one_per_figure(df).reset_index(drop=True)
+
+
+def _newest_runs(df):
+    """Per machine the newest run and, if it is a run of some of the grouped suite's
+    groups (`BENCH_GROUPS=io`), each group it did not run from that group's newest run:
+    one group's figures are all from one run, and a group that ran replaces its older
+    figures whole (a class it no longer measures is not brought back)."""
+    newest = df["run_at"] == df.groupby("machine")["run_at"].transform("max")
+    keep = newest.copy()
+    for _, rows in df.groupby("machine"):
+        ran = set(rows.loc[newest.reindex(rows.index), "group"].dropna())
+        if not ran:  # not a grouped run: nothing is added to it
+            continue
+        older = rows[rows["group"].notna() & ~rows["group"].isin(ran)]
+        last = older.groupby("group")["run_at"].transform("max")
+        keep.loc[older.index[(older["run_at"] == last).to_numpy()]] = True
+    return df[keep]
 
 
 def bench_class(df):

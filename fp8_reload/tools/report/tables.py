@@ -92,7 +92,7 @@ def headline(df) -> pd.DataFrame:
         return pd.DataFrame(rows)
     for machine, mdf in df.groupby("machine"):
         read = mdf[bench_class(mdf).isin(HEADLINE_CLASSES)]  # (other groups may be newer runs)
-        commit = (read if not read.empty else mdf)["commit"].iloc[0]
+        commit = (read if not read.empty else mdf).sort_values("run_at")["commit"].iloc[-1]
         presets = sorted(set(mdf["preset"].dropna())) if "preset" in mdf else []
         kinds = sorted(set(mdf["kind"].dropna())) if "kind" in mdf else []
         for preset in presets:
