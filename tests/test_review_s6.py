@@ -151,6 +151,7 @@ def test_a_version_renamed_in_after_the_plan_is_not_read_through_its_registratio
     must not have that file read at the plan's offsets through a fresh registration: the
     reload is refused and rolled back, as the ring path refuses it."""
     import fp8_reload.reload.to_device as to_device
+    import fp8_reload.reload.transaction as transaction
 
     path, shard, other = two_versions
     model = fr.load_model(path, device="cuda")
@@ -159,13 +160,14 @@ def test_a_version_renamed_in_after_the_plan_is_not_read_through_its_registratio
     before = fr.snapshot(model)
     real = to_device.registered_files
 
-    def renamed_first(model_, ckpt, chunks):
+    def renamed_first(model_, ckpt, read):
         staged = shard.with_name(shard.name + ".new")
         shutil.copyfile(other, staged)
         os.replace(staged, shard)
-        return real(model_, ckpt, chunks)
+        return real(model_, ckpt, read)
 
-    monkeypatch.setattr(to_device, "registered_files", renamed_first)
+    # (the transaction registers before the weights lock, where it looks the function up)
+    monkeypatch.setattr(transaction, "registered_files", renamed_first)
     with pytest.raises(fr.ReloadError, match="changed"):
         fr.update_weights_from_disk(model, path)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
