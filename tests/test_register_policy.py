@@ -111,3 +111,20 @@ def test_release_staging_forgets_the_reads_counted(driver, sharded):
     fr.release_staging(model)
     assert to_device.registered_files(model, ckpt, _reads(ckpt, 0.05)) == {}
     assert len(driver) == len(ckpt.shard_files)
+
+
+def test_read_counts_stay_bounded_as_versions_and_paths_come_and_go(driver, tmp_path, tiny_cfg,
+                                                                   monkeypatch):
+    """Review (helper 32): counts keyed by (path, stamps) piled up one per shard per RL
+    step (each version rewritten over the same files, read once). One count per path
+    now, started over by a new stamp, and at most `KEEP_COUNTS` paths."""
+    model, path = SimpleNamespace(), tmp_path / "ckpt"
+    for step in range(6):
+        fr.write_checkpoint(path, tiny_cfg, seed=step, kind="fp8")
+        ckpt = fr.Checkpoint(path)
+        assert to_device.registered_files(model, ckpt, _reads(ckpt, 0.05)) == {}  # each read once
+    shards = held(model)["registered"]
+    assert len(shards.reads) == len(ckpt.shard_files) and driver == []
+    monkeypatch.setattr(type(shards), "KEEP_COUNTS", 2)
+    to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))
+    assert len(shards.reads) == 2

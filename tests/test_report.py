@@ -354,3 +354,17 @@ def test_grouped_figures_do_not_come_back_under_a_per_process_run(tmp_path):
     write_result(root, "box", "c" * 40, {GFULL: (small, [0.1]), GIO: (IO_PARAMS, [0.01])}, started_at=3000)
     write_result(root, "box", "e" * 40, {EX: ([["small"], ["cached"]], [1e-6])}, started_at=4000)
     assert [c for _, c, _ in _figures(load_results(root))] == ["e"]
+
+
+def test_of_runs_started_together_one_fills_a_group(tmp_path):
+    """Review (helper 32): two older runs of a group with the same start (results without
+    `started_at`) were both kept: each figure twice, from two commits."""
+    root = tmp_path / "asv"
+    _grouped_suite(root)
+    small = [["small"], ["fp8"]]
+    for c, v in (("a", 0.1), ("b", 0.2)):
+        write_result(root, "box", c * 40, {GFULL: (small, [v]), GFILT: (FILT_PARAMS, [v / 10])},
+                     started_at=3000)
+    write_result(root, "box", "d" * 40, {GIO: (IO_PARAMS, [0.01])}, started_at=4000)
+    assert _figures(load_results(root)) == [("FilteredReload", "b", 0.02), ("FullReload", "b", 0.2),
+                                            ("IOPaths", "d", 0.01)]

@@ -106,8 +106,7 @@ def _fail_on(monkeypatch, owner, name, at: int):
     return armed
 
 
-POINTS = [  # (owner, name, at): before any write, mid-commit, the scales, processing
-    (to_device, "registered_files", 0),
+POINTS = [  # (owner, name, at): mid-commit, the scales, processing
     (to_device, "_quantize_chunk", 2),
     (to_device, "copy_async", 3),
     (stream_mod, "_write_scalars", 0),
@@ -143,6 +142,25 @@ def test_a_fault_in_the_gpu_path_restores_the_model(ckpts, gpu_path, monkeypatch
     fresh = fr.load_model(ckpts[kind, 1])
     if flt is None:
         assert not fr.compare_states(fr.snapshot(fresh), fr.snapshot(model))
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("spec", [None, {1: [0, 3], 2: [5, 7]}])
+def test_a_fault_while_registering_shards_writes_nothing(ckpts, gpu_path, monkeypatch, kind, spec):
+    """Shards are registered before the weights lock (the read phase): a fault there is a
+    `ReloadError` with nothing written, and the next reload goes through."""
+    _cpu_tensors_reach_triton(kind)
+    model = fr.load_model(ckpts[kind, 0])
+    before = fr.snapshot(model)
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    armed = _fail_on(monkeypatch, tx, "registered_files", 0)
+    with pytest.raises(fr.ReloadError, match="before anything was written.*injected"):
+        fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
+    assert not unchanged(model, before) and gpu_path == []  # no backup was even taken
+    armed[0] = False
+    fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
+    if flt is None:
+        assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 1])), fr.snapshot(model))
 
 
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])

@@ -116,10 +116,12 @@ class RegisteredShards:
     """The registered shards a model reloads from, by path (`staging.holder` keeps it on
     the model, so `release_staging` gives them back)."""
 
+    KEEP_COUNTS = 4096  # paths whose reads are counted
+
     def __init__(self):
         self.files: dict[str, RegisteredFile] = {}
         self.refused: set[tuple] = set()  # (path, stamp) registration failed for: not retried
-        self.reads: dict[tuple, int] = {}  # (path, stamp): reloads that read from it
+        self.reads: dict[str, tuple] = {}  # path: (stamp, reloads that read it under that stamp)
 
     def current(self, path) -> RegisteredFile | None:
         """`path` registered, if its stamp still matches; a changed file is released."""
@@ -144,6 +146,18 @@ class RegisteredShards:
             return None
         self.files[str(path)] = reg
         return reg
+
+    def count_read(self, path, stamp: tuple) -> int:
+        """One more reload reads `path` under `stamp`: how many have (a new stamp starts
+        over). Paths counted longest ago are forgotten beyond `KEEP_COUNTS` (RL weight
+        sync may write each step's checkpoint to a new directory)."""
+        key = str(path)
+        old = self.reads.pop(key, None)
+        n = old[1] + 1 if old is not None and old[0] == stamp else 1
+        self.reads[key] = (stamp, n)  # (most recent last)
+        while len(self.reads) > self.KEEP_COUNTS:
+            self.reads.pop(next(iter(self.reads)))
+        return n
 
     def nbytes(self) -> int:
         return sum(f.view.numel() for f in self.files.values())

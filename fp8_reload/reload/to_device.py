@@ -143,9 +143,8 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
         parsed = ckpt.parsed_stamp(fname)  # (size is its third field: no stat here)
         size = parsed[2]
         mostly = 2 * nbytes >= size  # registering costs this reload about nothing extra
-        key = (str(path), parsed)
-        shards.reads[key] = shards.reads.get(key, 0) + 1
-        want = REGISTER == "always" or (shards.reads[key] >= 2 and cache_ok
+        reads = shards.count_read(path, parsed)
+        want = REGISTER == "always" or (reads >= 2 and cache_ok
                                         and (mostly or size <= step or first))
         current = shards.current(path)
         if current is None and want and shards.nbytes() + size <= _register_budget():

@@ -118,17 +118,23 @@ def _newest_runs(df):
     """Per machine the newest run and, if it is a run of some of the grouped suite's
     groups (`BENCH_GROUPS=io`), each group it did not run from that group's newest run:
     one group's figures are all from one run, and a group that ran replaces its older
-    figures whole (a class it no longer measures is not brought back)."""
-    newest = df["run_at"] == df.groupby("machine")["run_at"].transform("max")
-    keep = newest.copy()
+    figures whole (a class it no longer measures is not brought back). A run is one
+    results file; of runs started at the same time the last file name counts as newer."""
+    keep = []
     for _, rows in df.groupby("machine"):
-        ran = set(rows.loc[newest.reindex(rows.index), "group"].dropna())
+        last = _last_run(rows)
+        keep.append(rows[rows["file"] == last])
+        ran = set(keep[-1]["group"].dropna())
         if not ran:  # not a grouped run: nothing is added to it
             continue
         older = rows[rows["group"].notna() & ~rows["group"].isin(ran)]
-        last = older.groupby("group")["run_at"].transform("max")
-        keep.loc[older.index[(older["run_at"] == last).to_numpy()]] = True
-    return df[keep]
+        for _, group in older.groupby("group"):
+            keep.append(group[group["file"] == _last_run(group)])
+    return df.loc[sorted(i for part in keep for i in part.index)]
+
+
+def _last_run(rows) -> str:
+    return max(zip(rows["run_at"], rows["file"]))[1]
 
 
 def bench_class(df):
