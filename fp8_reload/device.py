@@ -95,18 +95,23 @@ def side_stream(device, role: str) -> torch.cuda.Stream:
 
 
 @functools.cache
-def _cudart():
-    """The CUDA runtime torch loaded (found in /proc/self/maps) with ``cudaMemcpyAsync``
-    typed, or None (another OS, a static runtime): then copies go through torch. Called
-    holding the GIL (`ctypes.PyDLL`): an asynchronous copy returns in microseconds, and
-    taking the GIL back after each one cost a ring reload's thread 3x that while its
-    reader threads ran (H200: 15 vs 5 us median, 57 vs 7 us p90)."""
+def _runtime_paths() -> tuple[str, ...]:
+    """The CUDA runtime libraries torch loaded (from /proc/self/maps; none on another OS)."""
     try:
         with open("/proc/self/maps") as maps:
-            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+            return tuple(sorted({line.split()[-1] for line in maps if "libcudart.so" in line}))
     except OSError:
-        return None
-    for path in paths:
+        return ()
+
+
+@functools.cache
+def _cudart():
+    """The CUDA runtime torch loaded with ``cudaMemcpyAsync`` typed, or None (another OS,
+    a static runtime): then copies go through torch. Called holding the GIL
+    (`ctypes.PyDLL`): an asynchronous copy returns in microseconds, and taking the GIL
+    back after each one cost a ring reload's thread 3x that while its reader threads ran
+    (H200: 15 vs 5 us median, 57 vs 7 us p90)."""
+    for path in _runtime_paths():
         try:
             lib = ctypes.PyDLL(path)
             fn = lib.cudaMemcpyAsync
@@ -116,6 +121,52 @@ def _cudart():
         fn.restype = ctypes.c_int
         return lib
     return None
+
+
+@functools.cache
+def _cudart_unlocked():
+    """The same runtime through `ctypes.CDLL`, whose calls let the GIL go, for the calls
+    that take long: registering a page-cached shard takes ~30 ms per GiB on an H200 host,
+    and torch's binding holds the GIL all that time, so every other thread of the process,
+    forwards included, stopped (`gpu/register_probe.py`). None: torch's binding."""
+    for path in _runtime_paths():
+        try:
+            lib = ctypes.CDLL(path)
+            register, unregister = lib.cudaHostRegister, lib.cudaHostUnregister
+        except (OSError, AttributeError):
+            continue
+        register.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        unregister.argtypes = [ctypes.c_void_p]
+        register.restype = unregister.restype = lib.cudaGetLastError.restype = ctypes.c_int
+        return lib
+    return None
+
+
+def host_register(ptr: int, nbytes: int, flags: int = 0) -> bool:
+    """``cudaHostRegister`` with the GIL released; False when refused (the runtime's last
+    error is cleared: left set, torch would raise it at its next launch check)."""
+    lib = _cudart_unlocked()
+    if lib is not None:
+        err = lib.cudaHostRegister(ptr, nbytes, flags)
+        if err:
+            lib.cudaGetLastError()
+        return err == 0
+    rt = torch.cuda.cudart()
+    if rt.cudaHostRegister(ptr, nbytes, flags) == rt.cudaError.success:
+        return True
+    try:  # torch exposes no cudaGetLastError: one tiny launch reads (and clears) it
+        torch.zeros(1, device="cuda").add_(1)
+    except RuntimeError:
+        pass
+    return False
+
+
+def host_unregister(ptr: int) -> None:
+    lib = _cudart_unlocked()
+    if lib is not None:
+        lib.cudaHostUnregister(ptr)
+    else:
+        torch.cuda.cudart().cudaHostUnregister(ptr)
 
 
 _DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)

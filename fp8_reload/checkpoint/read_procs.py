@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import host_register, host_unregister
 from ..errors import ReloadError
 from .staging import READ_THREADS
 
@@ -66,14 +67,13 @@ class SharedBuffer:
         self.pinned = False
 
     def pin(self) -> bool:
-        err = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        self.pinned = int(err) == 0
+        self.pinned = host_register(self.tensor.data_ptr(), self.nbytes)
         return self.pinned
 
     def release(self) -> None:
         """Unregistered now; unmapped when the last view of it goes."""
         if self.pinned and self.pid == os.getpid():
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            host_unregister(self.tensor.data_ptr())
             self.pinned = False
         if self.fd >= 0:
             os.close(self.fd)

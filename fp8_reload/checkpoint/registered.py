@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from ..device import host_register, host_unregister
 from .files import stamp
 
 # cudaHostRegisterReadOnly: the driver pins the pages for reading only (the mapping is
@@ -44,10 +45,6 @@ def file_stamp(path) -> tuple | None:
         return None
 
 
-def _unregister(ptr: int) -> None:
-    torch.cuda.cudart().cudaHostUnregister(ptr)
-
-
 @dataclass
 class RegisteredFile:
     path: Path
@@ -58,7 +55,7 @@ class RegisteredFile:
     def __post_init__(self):
         # a registration must end before its mapping does, or the next mapping at the same
         # address cannot be registered: unregistered when this object goes, if not before
-        self._unregister = weakref.finalize(self, _unregister, self.view.data_ptr())
+        self._unregister = weakref.finalize(self, host_unregister, self.view.data_ptr())
 
     def release(self) -> None:
         if self._map is None:
@@ -67,16 +64,6 @@ class RegisteredFile:
         self.view = None
         self._map.close()
         self._map = None
-
-
-def _clear_last_error() -> None:
-    """A refused registration leaves the CUDA runtime's last error set, and torch would
-    raise it at its next launch check; torch exposes no cudaGetLastError, so one tiny
-    launch reads (and clears) it here."""
-    try:
-        torch.zeros(1, device="cuda").add_(1)
-    except RuntimeError:
-        pass
 
 
 def register(path: Path) -> RegisteredFile | None:
@@ -101,12 +88,10 @@ def register(path: Path) -> RegisteredFile | None:
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(mapped, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
-    err = cudart.cudaHostRegister(view.data_ptr(), st.st_size, _REGISTER_READ_ONLY)
-    if err != cudart.cudaError.success:
+    # (the GIL is let go meanwhile: forwards in other threads keep running)
+    if not host_register(view.data_ptr(), st.st_size, _REGISTER_READ_ONLY):
         del view
         mapped.close()
-        _clear_last_error()
         return None
     return RegisteredFile(Path(path), stamp(st), view,
                           mapped)
