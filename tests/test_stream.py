@@ -61,6 +61,46 @@ def test_streamed_reload_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeyp
     _reload_twice_and_compare(ckpts, tmp_path, device, kind, spec)
 
 
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_shards_registered_in_pieces_reload_bit_for_bit(ckpts, tmp_path, monkeypatch, kind, spec):
+    """A shard is registered in pieces (the driver holds other threads' CUDA calls while
+    it pins one); copies are cut where two meet. Pieces of one page: every chunk and
+    span crosses several."""
+    import fp8_reload.checkpoint.registered as registered_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("registration is a CUDA path")
+    monkeypatch.setattr(to_device, "REGISTER", "always")
+    monkeypatch.setattr(registered_mod, "PIECE_BYTES", 1)  # (rounded up to a page)
+    monkeypatch.setattr(registered_mod, "_BETWEEN_PIECES", 0)
+    pieces = []
+    real = registered_mod.register
+
+    def counted(path):
+        reg = real(path)
+        pieces.append(len(reg._pieces))
+        return reg
+
+    monkeypatch.setattr(registered_mod, "register", counted)
+    _reload_twice_and_compare(ckpts, tmp_path, "cuda", kind, spec)
+    assert pieces and min(pieces) > 1
+
+
+def test_copies_from_a_registered_file_are_cut_where_its_pieces_meet(monkeypatch):
+    """(Host-side bookkeeping of the above; on CPU the copies are plain.)"""
+    cuts = []
+    monkeypatch.setattr(to_device, "copy_async", lambda dst, src, stream: (cuts.append(src.numel()),
+                                                                          dst.copy_(src)))
+    src = torch.arange(100, dtype=torch.uint8)
+    dst = torch.zeros(70, dtype=torch.uint8)
+    to_device._from_host(dst, src[25:95], None, base=25, piece=32)  # file bytes 25..95
+    assert cuts == [7, 32, 31] and torch.equal(dst, src[25:95])
+    cuts.clear()
+    to_device._from_host(dst, src[:70], None, base=0, piece=None)  # pinned ring memory: one copy
+    assert cuts == [70]
+
+
 def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts, monkeypatch):
     """Registered shards are copied from the page cache: a full reload's chunk in one DMA of
     its window (small gaps: the scales read before the lock), a filtered reload's spans

@@ -11,6 +11,13 @@ What it holds: the files' pages stay resident and locked while registered (one
 checkpoint's size of host memory, shared with the page cache, not a copy).
 `release` (and `fr.release_staging(model)`) gives them back.
 
+What it costs the process's other threads: while the driver pins pages it holds every
+other CUDA call of the process (~22-25 ms per GiB on an H200 host, `gpu/register_probe.py`),
+forwards included, whatever the GIL does. A file is therefore registered in pieces of
+``FP8_RELOAD_REGISTER_PIECE`` bytes (default 256 MiB, ~6 ms), with the other threads let in
+between; a copy never crosses two pieces (`to_device`: the driver would see pageable
+memory).
+
 Safety: the CPU never reads a mapping (a file truncated under it would fault the
 process); only the DMA engine does, and a pinned page outlives a truncation. A
 writer that changes a file is caught by its stamp, checked before and after each
@@ -22,6 +29,7 @@ from __future__ import annotations
 import mmap
 import os
 import stat
+import time
 import warnings
 import weakref
 from dataclasses import dataclass
@@ -35,6 +43,9 @@ from .files import stamp
 # cudaHostRegisterReadOnly: the driver pins the pages for reading only (the mapping is
 # PROT_READ; the device never writes them).
 _REGISTER_READ_ONLY = 0x08
+_PAGE = mmap.PAGESIZE
+PIECE_BYTES = int(os.environ.get("FP8_RELOAD_REGISTER_PIECE", 256 << 20))
+_BETWEEN_PIECES = 1e-4  # s
 
 
 def file_stamp(path) -> tuple | None:
@@ -45,17 +56,24 @@ def file_stamp(path) -> tuple | None:
         return None
 
 
+def _unregister(ptrs: list[int]) -> None:
+    for ptr in ptrs:
+        host_unregister(ptr)
+
+
 @dataclass
 class RegisteredFile:
     path: Path
     stamp: tuple
     view: torch.Tensor  # uint8 over the whole file, in registered (DMA-able) host memory
     _map: mmap.mmap
+    piece: int  # bytes per registration: view[k * piece:(k + 1) * piece] is the k-th
+    _pieces: list[int]  # their addresses
 
     def __post_init__(self):
         # a registration must end before its mapping does, or the next mapping at the same
         # address cannot be registered: unregistered when this object goes, if not before
-        self._unregister = weakref.finalize(self, host_unregister, self.view.data_ptr())
+        self._unregister = weakref.finalize(self, _unregister, self._pieces)
 
     def release(self) -> None:
         if self._map is None:
@@ -88,13 +106,18 @@ def register(path: Path) -> RegisteredFile | None:
     with warnings.catch_warnings():  # torch warns that the buffer is read-only: it is, on purpose
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(mapped, dtype=torch.uint8)
-    # (the GIL is let go meanwhile: forwards in other threads keep running)
-    if not host_register(view.data_ptr(), st.st_size, _REGISTER_READ_ONLY):
-        del view
-        mapped.close()
-        return None
-    return RegisteredFile(Path(path), stamp(st), view,
-                          mapped)
+    piece = max(_PAGE, PIECE_BYTES // _PAGE * _PAGE)  # pieces never share a page
+    base, done = view.data_ptr(), []
+    for off in range(0, st.st_size, piece):
+        if done:  # the other threads' CUDA calls, held while the driver pinned, go now
+            time.sleep(_BETWEEN_PIECES)
+        if not host_register(base + off, min(piece, st.st_size - off), _REGISTER_READ_ONLY):
+            _unregister(done)
+            del view
+            mapped.close()
+            return None
+        done.append(base + off)
+    return RegisteredFile(Path(path), stamp(st), view, mapped, piece, done)
 
 
 class RegisteredShards:

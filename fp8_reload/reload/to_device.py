@@ -159,6 +159,20 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
     return out
 
 
+def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: int | None) -> None:
+    """`src` (host bytes) into `dst` on `stream`. From a registered file (`piece`: bytes
+    per registration; `base`: `src`'s offset in the file) one copy per registration it
+    spans: to the driver, a range across two registrations is not pinned memory."""
+    if piece is None:
+        copy_async(dst, src, stream)
+        return
+    at, n = 0, src.numel()
+    while at < n:
+        end = min(n, ((base + at) // piece + 1) * piece - base)
+        copy_async(dst[at:end], src[at:end], stream)
+        at = end
+
+
 def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
     """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (two
     launches per layer shape, each expert a row of addresses); with `checks`, their values'
@@ -193,7 +207,7 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 
 
 def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables, keep: bool,
-          writable, checks, quant_checks, gather: bool = False):
+          writable, checks, quant_checks, gather: bool = False, base: int = 0, piece: int | None = None):
     """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
     one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
     at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
@@ -202,8 +216,9 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     (or each, without Triton).
     Only those writes wait for the modules' backups. `gather`: `buf` is the chunk's whole
     (registered) file, and each span is copied from its file offset: the gaps between
-    the spans of a filtered reload are not moved. Returns the event after which `buf`
-    may be refilled."""
+    the spans of a filtered reload are not moved. A registered file's `piece` and `buf`'s
+    offset in it (`base`) split the host-to-device copies where its registrations meet
+    (`_from_host`). Returns the event after which `buf` may be refilled."""
     place = torch.cuda.current_stream()
     h2d = side_stream(place.device, "h2d")
     i = k % 2
@@ -212,9 +227,9 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
         h2d.wait_event(slots.free[i])
     if gather:
         for off, n, at in chunk.spans:
-            copy_async(dslot[at:at + n], buf[off:off + n], h2d)
+            _from_host(dslot[at:at + n], buf[off:off + n], h2d, off, piece)
     else:
-        copy_async(dslot, buf[:chunk.extent], h2d)
+        _from_host(dslot, buf[:chunk.extent], h2d, base, piece)
     # waited on before `buf` is refilled (`ring.stream_through_ring`: by reader threads, or by
     # this thread before it asks reader processes for the next chunk there): a blocking event
     # sleeps; a default one spins a core per waiter, which the readers still copying are short of
@@ -286,11 +301,11 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
         with torch.cuda.stream(stream):
             with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, _, _ in direct)):
                 for k, (chunk, start, end) in enumerate(direct):
-                    view = registered[chunk.file].view
+                    reg = registered[chunk.file]
                     if start is None:
-                        _land(chunk, view, k, *landing, gather=True)
+                        _land(chunk, reg.view, k, *landing, gather=True, piece=reg.piece)
                     else:
-                        _land(chunk, view[start:end], k, *landing)
+                        _land(chunk, reg.view[start:end], k, *landing, base=start, piece=reg.piece)
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
             if rest:
                 ring = ring_for(model, max(c.buffer_bytes for c in rest), pin=True)
