@@ -15,12 +15,13 @@ weight sync do; registering costs about one read of the file, so a checkpoint re
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
 default half the host's memory); ``always``; ``never``. A reload that reads little of a
 shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
-``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.2 s on an H200
-host), or one shard if that one is larger (0: such reloads register nothing): a large
-checkpoint gets registered over several steps, not in one. Registration runs before the
-weights lock: forwards do not wait for it. Under ``FP8_RELOAD_IO=direct`` ``auto``
-registers nothing: a registration is the file's pages in the page cache, which
-direct reads keep clear.
+``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.1 s of a page-cached
+file on an H200 host), or one shard if that one is larger (0: such reloads register
+nothing): a large checkpoint gets registered over several steps, not in one.
+Registration runs before the weights lock, in pieces (`checkpoint.registered`: the driver
+holds the process's other CUDA calls while it pins one, ~6 ms), so forwards go on in
+between. Under ``FP8_RELOAD_IO=direct`` ``auto`` registers nothing: a registration is
+the file's pages in the page cache, which direct reads keep clear.
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
