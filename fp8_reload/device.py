@@ -126,7 +126,7 @@ def _cudart():
 @functools.cache
 def _cudart_unlocked():
     """The same runtime through `ctypes.CDLL`, whose calls let the GIL go, for the calls
-    that take long: registering a page-cached shard takes ~30 ms per GiB on an H200 host,
+    that take long: registering a page-cached shard takes ~25 ms per GiB on an H200 host,
     and torch's binding holds the GIL all that time, so every other thread of the process,
     forwards included, stopped (`gpu/register_probe.py`). None: torch's binding."""
     for path in _runtime_paths():

@@ -130,8 +130,9 @@ def bytes_by_file(targets: list[Target]) -> dict[str, int]:
 def registered_files(model, ckpt, read: dict[str, int]) -> dict:
     """{file: RegisteredFile} for the files of `read` ({file: bytes this reload reads})
     that this reload reads from registered memory, registering those the policy wants.
-    Registering faults a file's pages in: the transaction calls this before it takes the
-    weights lock, so forwards never wait for it. The registry counts, per file and
+    Registering pins a file's pages: the transaction calls this before it takes the
+    weights lock, so forwards are not locked out meanwhile (the driver holds their CUDA
+    calls a piece at a time, `checkpoint.registered`). The registry counts, per file and
     stamps, the reloads that read from it; `release_staging` forgets the counts."""
     shards: RegisteredShards = holder(model, "registered", RegisteredShards)
     if REGISTER == "never":
