@@ -128,3 +128,72 @@ def test_read_counts_stay_bounded_as_versions_and_paths_come_and_go(driver, tmp_
     monkeypatch.setattr(type(shards), "KEEP_COUNTS", 2)
     to_device.registered_files(model, ckpt, _reads(ckpt, 0.05))
     assert len(shards.reads) == 2
+
+
+@pytest.mark.parametrize("where", ["between pieces", "in the driver call"])
+def test_an_interrupted_registration_leaves_no_piece_pinned(tmp_path, monkeypatch, where):
+    """Review (helper 33): a shard is registered in pieces, with a pause between them; an
+    exception there (Ctrl-C, a server's SIGTERM) left the pieces done pinned, and their
+    mapping was then unmapped while registered."""
+    import types
+
+    path = tmp_path / "shard"
+    path.write_bytes(bytes(5 * registered_mod._PAGE + 123))
+    pinned, calls, armed = set(), [], [True]
+
+    def host_register(ptr, nbytes, flags=0):
+        calls.append(ptr)
+        if armed[0] and where == "in the driver call" and len(calls) == 3:
+            raise KeyboardInterrupt
+        pinned.add(ptr)
+        return True
+
+    def sleep(_):
+        if where == "between pieces" and len(calls) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(registered_mod.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(registered_mod, "host_register", host_register)
+    monkeypatch.setattr(registered_mod, "host_unregister", pinned.discard)
+    monkeypatch.setattr(registered_mod, "PIECE_BYTES", registered_mod._PAGE)
+    monkeypatch.setattr(registered_mod, "time", types.SimpleNamespace(sleep=sleep))
+    with pytest.raises(KeyboardInterrupt):
+        registered_mod.register(path)
+    assert len(calls) >= 2 and not pinned
+    armed[0] = False
+    monkeypatch.setattr(registered_mod, "time", types.SimpleNamespace(sleep=lambda _: None))
+    reg = registered_mod.register(path)  # uninterrupted: six pieces, released together
+    assert len(reg._pieces) == 6 == len(pinned)
+    reg.release()
+    assert not pinned
+
+
+_FORK = """
+import os, sys
+import fp8_reload.checkpoint.registered as reg
+reg.torch.cuda.is_available = lambda: True
+reg.host_register = lambda ptr, n, flags=0: True
+def unregister(ptr):
+    with open(sys.argv[2], "a") as f:
+        f.write(f"{os.getpid()}\\n")
+reg.host_unregister = unregister
+shard = reg.register(reg.Path(sys.argv[1]))
+if os.fork() == 0:
+    sys.exit(0)  # the child leaves through the interpreter: finalizers run
+os.wait()
+print(os.getpid())
+shard.release()
+"""
+
+
+def test_a_forked_child_does_not_unregister_its_parents_shards(tmp_path):
+    """Review (helper 33): since the registrations go through ctypes, a forked child
+    exiting (or collecting the model) unregistered its parent's shards with the driver."""
+    import subprocess
+    import sys
+
+    shard, log = tmp_path / "shard", tmp_path / "unregistered"
+    shard.write_bytes(bytes(3 * registered_mod._PAGE))
+    parent = subprocess.run([sys.executable, "-c", _FORK, str(shard), str(log)], check=True,
+                            capture_output=True, text=True).stdout.split()[-1]
+    assert log.read_text().split() == [parent]

@@ -56,7 +56,9 @@ def file_stamp(path) -> tuple | None:
         return None
 
 
-def _unregister(ptrs: list[int]) -> None:
+def _unregister(ptrs: list[int], pid: int) -> None:
+    if os.getpid() != pid:  # a forked child: the registrations are its parent's
+        return
     for ptr in ptrs:
         host_unregister(ptr)
 
@@ -73,7 +75,7 @@ class RegisteredFile:
     def __post_init__(self):
         # a registration must end before its mapping does, or the next mapping at the same
         # address cannot be registered: unregistered when this object goes, if not before
-        self._unregister = weakref.finalize(self, _unregister, self._pieces)
+        self._unregister = weakref.finalize(self, _unregister, self._pieces, os.getpid())
 
     def release(self) -> None:
         if self._map is None:
@@ -107,17 +109,21 @@ def register(path: Path) -> RegisteredFile | None:
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(mapped, dtype=torch.uint8)
     piece = max(_PAGE, PIECE_BYTES // _PAGE * _PAGE)  # pieces never share a page
-    base, done = view.data_ptr(), []
-    for off in range(0, st.st_size, piece):
-        if done:  # the other threads' CUDA calls, held while the driver pinned, go now
-            time.sleep(_BETWEEN_PIECES)
-        if not host_register(base + off, min(piece, st.st_size - off), _REGISTER_READ_ONLY):
-            _unregister(done)
-            del view
+    base, done, whole = view.data_ptr(), [], False
+    try:
+        for off in range(0, st.st_size, piece):
+            if done:  # the other threads' CUDA calls, held while the driver pinned, go now
+                time.sleep(_BETWEEN_PIECES)
+            if not host_register(base + off, min(piece, st.st_size - off), _REGISTER_READ_ONLY):
+                break
+            done.append(base + off)
+        else:
+            whole = True
+    finally:  # refused, or interrupted (a signal between pieces): no piece stays pinned
+        if not whole:  # once its mapping is gone
+            _unregister(done, os.getpid())
             mapped.close()
-            return None
-        done.append(base + off)
-    return RegisteredFile(Path(path), stamp(st), view, mapped, piece, done)
+    return RegisteredFile(Path(path), stamp(st), view, mapped, piece, done) if whole else None
 
 
 class RegisteredShards:
