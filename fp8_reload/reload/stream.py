@@ -21,7 +21,7 @@ copies share the link, one each way, the writes a piece behind the backup.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -44,7 +44,9 @@ class Prepared:
     loaded: list[tuple[str, torch.Tensor]]  # (name, host tensor) for the modules' own loaders
     check: bool  # values not yet known good under these files' stamps
     whole: bool = True  # no filter: the next reload most likely lands the same copies
-    registered: dict | None = None  # on a GPU: the shards read from registered memory (to_device)
+    # on a GPU: the shards read from registered memory, registered by the transaction before
+    # the weights lock (`to_device.registered_files`); none: everything through the ring
+    registered: dict = field(default_factory=dict)
 
     @property
     def streamed(self) -> list[Target]:

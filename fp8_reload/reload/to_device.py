@@ -270,15 +270,15 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     values (one read-back). `writable(module, slots)` makes the writes stream wait until
     those slots of `module` (all of it, for no slots) may be overwritten (their backup is
     taken). `backup_ahead()`, if given, queues the whole backup: called while the ring's
-    first reads run. `registered`: `registered_files` of these targets, if called already."""
+    first reads run. `registered`: the files read from registered memory
+    (`registered_files`, called before the weights lock); the rest go through the ring."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
     checks: list[tuple[Target, torch.Tensor]] = []
     quant_checks: list | None = [] if check else None
     chunks = make_chunks(streamed)
-    if registered is None:
-        registered = registered_files(model, ckpt, bytes_by_file(streamed))
+    registered = registered or {}
     direct, rest, windows = [], [], []
     for chunk in chunks:
         if chunk.file not in registered:

@@ -206,7 +206,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if cuda else None
                     prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None)
-                    if cuda:  # registering faults shards in: here, not under the weights lock
+                    if cuda:  # registering pins shards' pages: here, not under the weights lock
                         prepared.registered = registered_files(model, ckpt, bytes_by_file(prepared.streamed))
                     report.staged_bytes = prepared.staged_bytes
                 else:
