@@ -47,8 +47,9 @@ def _copy_range(dst, view, start, end):
         dst[at:at + n].copy_(view[at:at + n], non_blocking=True)
 
 
-def pipelined(view, dst, piece):
-    """Register piece k, queue its copies, register piece k+1, ..."""
+def pipelined(view, dst, piece, busy=None):
+    """Register piece k, queue its copies, register piece k+1, ... `busy(off, end)`: more
+    work queued after each piece's copies (what a reload queues besides them)."""
     base, n, done = view.data_ptr(), view.numel(), []
     t0 = time.perf_counter()
     for off in range(0, n, piece):
@@ -56,6 +57,8 @@ def pipelined(view, dst, piece):
         assert host_register(base + off, size, READ_ONLY)
         done.append(base + off)
         _copy_range(dst, view, off, off + size)
+        if busy is not None:
+            busy(off, off + size)
     torch.cuda.synchronize()
     total = time.perf_counter() - t0
     t1 = time.perf_counter()
@@ -133,6 +136,30 @@ def main() -> None:
         print(f"pipelined, pieces of {piece >> 20} MiB: {tot * 1e3:.1f} ms ({limit / tot:.0%} of limit), "
               f"runs {', '.join(f'{r[0] * 1e3:.1f}' for r in runs)}; unregister {unreg * 1e3:.1f} ms")
         torch.cuda.synchronize()
+    # what a reload queues besides: a kernel on another stream after each piece, waiting
+    # for its copies (the scatter), and a device-to-host copy of the same size (the backup)
+    side, back = torch.cuda.Stream(), torch.cuda.Stream()
+    scratch = torch.empty_like(dst)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def scatter(off, end):
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            scratch[off:end].copy_(dst[off:end])
+
+    def backup_too(off, end):
+        if off == 0:
+            back.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(back):
+                host.copy_(scratch, non_blocking=True)
+        scatter(off, end)
+
+    for what, busy in (("a kernel on another stream after each piece", scatter),
+                       ("that, and a device-to-host copy beside", backup_too)):
+        runs = [pipelined(view, dst, 64 << 20, busy) for _ in range(args.repeat)]
+        tot = min(r[0] for r in runs)
+        print(f"pipelined, 64 MiB, {what}: {tot * 1e3:.1f} ms ({limit / tot:.0%} of limit), runs "
+              f"{', '.join(f'{r[0] * 1e3:.1f}' for r in runs)}")
     ok = torch.equal(dst[:1 << 20].cpu(), view[:1 << 20])  # the last copy's first bytes
     print(f"bytes equal: {ok}")
     del view

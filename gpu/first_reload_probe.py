@@ -1,0 +1,81 @@
+"""Where a first full reload's time goes when it registers its shards as it streams them:
+each driver registration and each chunk landed, timed on the host, in one reload of a
+v2-lite slice whose files were just touched (new stamps, page cache warm).
+
+    python3 gpu/first_reload_probe.py [--layers 4] [--kind fp8] [--dir /tmp/ckpt_io]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import fp8_reload as fr
+import fp8_reload.checkpoint.registered as registered_mod
+import fp8_reload.reload.to_device as to_device
+from fp8_reload.testing import io_paths
+
+
+def _timed_calls(module, name, log):
+    real = getattr(module, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return real(*a, **k)
+        finally:
+            log.append((name, t0, time.perf_counter() - t0))
+
+    setattr(module, name, wrapper)
+    return real
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--kind", default="fp8")
+    ap.add_argument("--dir", default="/tmp/ckpt_io")
+    ap.add_argument("--policies", default="never,auto")
+    args = ap.parse_args()
+    path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
+    if not (path / "config.json").exists():
+        cfg = fr.MoEConfig.preset("v2-lite", num_layers=args.layers)
+        fr.write_checkpoint(path, cfg, kind=args.kind, fill="fast", progress=False)
+    files = io_paths.shard_files(path)
+    model = fr.load_model(path, device="cuda")
+    fr.release_staging(model)
+    log: list = []
+    reals = [(registered_mod, "host_register", _timed_calls(registered_mod, "host_register", log)),
+             (registered_mod, "host_unregister", _timed_calls(registered_mod, "host_unregister", log)),
+             (to_device, "_land", _timed_calls(to_device, "_land", log))]
+    for policy in args.policies.split(",") * 2:
+        to_device.REGISTER = policy
+        io_paths.touch(files)
+        log.clear()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        rep = fr.update_weights_from_disk(model, path)
+        total = time.perf_counter() - t0
+        phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
+        print(f"[{policy}] first reload {total * 1e3:.1f} ms: {phases}")
+        for name in ("host_register", "host_unregister", "_land"):
+            ds = [d for n, _, d in log if n == name]
+            if ds:
+                print(f"    {name}: {len(ds)} calls, {sum(ds) * 1e3:.1f} ms, median "
+                      f"{statistics.median(ds) * 1e3:.2f} ms, max {max(ds) * 1e3:.2f} ms")
+        lands = [(t, d) for n, t, d in log if n == "_land"]
+        if lands:
+            print(f"    first land at {(lands[0][0] - t0) * 1e3:.1f} ms, last ends at "
+                  f"{(lands[-1][0] + lands[-1][1] - t0) * 1e3:.1f} ms")
+        seq = [f"{n[5:8] if n != '_land' else 'L'}{d * 1e3:.1f}" for n, _, d in log[:40]]
+        print("    order:", " ".join(seq))
+    for module, name, real in reals:
+        setattr(module, name, real)
+
+
+if __name__ == "__main__":
+    main()
