@@ -1,9 +1,11 @@
-"""Where a first full reload's time goes when it registers its shards as it streams them:
-each driver registration and each chunk landed, timed on the host, in one reload of a
-v2-lite slice whose files were just touched (new stamps, page cache warm).
+"""Where a first full reload's time goes: each driver registration and unregistration and
+each chunk landed, timed on the host, in reloads of a v2-lite slice whose files were just
+touched (new stamps, page cache warm), under each ``FP8_RELOAD_REGISTER`` policy given.
+Commit 72d364f registered a shard on its first read, a piece at a time as the commit
+streamed it; this showed each piece pinning 3x slower than on an idle device, and the
+reload slower than through the ring (`results/h200/reload-engine/first_reload_probe-72d364f.txt`).
 
-    python3 gpu/first_reload_probe.py [--layers 4] [--kind fp8] [--dir /tmp/ckpt_io]
-"""
+    python3 gpu/first_reload_probe.py [--layers 4] [--kind fp8] [--policies never,auto]"""
 
 from __future__ import annotations
 

@@ -80,21 +80,18 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)  # the fresh load's staging arena: not the reload's business
     phases = lambda rep: ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())  # noqa: E731
-    policy = to_device.REGISTER
-    for how in ("never", policy):  # through the readers' ring, then as the policy says (auto:
-        to_device.REGISTER, firsts = how, []  # the shards registered as they stream)
-        for _ in range(3):
-            io_paths.touch(files)
-            s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
-            firsts.append((s, rep))
-        s, rep = sorted(firsts, key=lambda x: x[0])[1]
-        row(f"fp8-reload streaming, first reload (new stamps), {how}", s, rep.bytes_read, phases=phases(rep))
-    to_device.REGISTER = policy
+    firsts = []
+    for _ in range(3):
+        io_paths.touch(files)
+        s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
+        firsts.append((s, rep))
+    s, rep = sorted(firsts, key=lambda x: x[0])[1]
+    row("fp8-reload streaming, first reload (new stamps)", s, rep.bytes_read, phases=phases(rep))
     # the rows below reload files at rest (as EPLB does): written more than `files.SETTLED_NS`
     # ago, else each reload re-reads their scales and re-checks their values
     time.sleep(fr.checkpoint.files.SETTLED_NS / 1e9 + 0.1)
-    s, rep = timed(lambda: fr.update_weights_from_disk(model, path))  # 2nd read: files at rest
-    row("fp8-reload streaming, second reload", s, rep.bytes_read, phases=phases(rep))
+    s, rep = timed(lambda: fr.update_weights_from_disk(model, path))  # 2nd read: registers
+    row("fp8-reload streaming, second reload (registers shards)", s, rep.bytes_read, phases=phases(rep))
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=5)
     row("fp8-reload streaming, repeated reload (registered)", s, rep.bytes_read, phases=phases(rep))
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, backup="device"), repeat=5)
@@ -106,7 +103,7 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
     held(model)["registered"].release()  # the first two EPLB steps: through the readers' ring
-    to_device.REGISTER = "never"
+    policy, to_device.REGISTER = to_device.REGISTER, "never"
     try:
         s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     finally:

@@ -3,23 +3,28 @@
 A shard is memory-mapped and its pages registered with the CUDA driver
 (`cudaHostRegister`, read-only): a host-to-device copy from that mapping is then
 one DMA from the page cache at the link's speed, with no CPU copy and no staging
-buffer. Registering a page-cached file costs about as much as copying it (the driver
-pins its pages, ~18-25 ms per GiB on an H200 host), but it is CPU work, and the copies
-out of a piece already pinned run meanwhile: a reload that registers as it streams
-(`RegisteredFile.ensure`, chunk by chunk) moves a file at ~85% of the link's speed on
-its first read (`gpu/stream_register_probe.py`). The registration is kept while the
-file's stamps (size, mtime, ctime, inode) are unchanged, for the reloads after it.
+buffer. Registering costs about as much as reading the file once (the pages are
+faulted in and pinned), so it is done for files that are reloaded again and again,
+and kept while their stamps (size, mtime, ctime, inode) are unchanged.
+
+Registering as a reload streams a file (pin a piece, queue its copies, pin the next)
+does not pay: on an idle device a piece pins in ~1.4 ms per 64 MiB, but with the
+reload's copies, scatters and backup running it took 3.5-4.5 ms, and a first reload
+that did so took 193-209 ms against 105-120 ms through the readers' ring
+(`gpu/first_reload_probe.py`, `gpu/stream_register_probe.py`,
+`results/h200/reload-engine/*-72d364f.txt`).
 
 What it holds: the files' pages stay resident and locked while registered (one
 checkpoint's size of host memory, shared with the page cache, not a copy), within a
-budget; files used longest ago are released to make room (`make_room`).
-`release` (and `fr.release_staging(model)`) gives them back.
+budget; files changed or gone, then those used longest ago, are released to make room
+(`make_room`). `release` (and `fr.release_staging(model)`) gives them back.
 
 What it costs the process's other threads: while the driver pins pages it holds every
-other CUDA call of the process, forwards included, whatever the GIL does
-(`gpu/register_probe.py`). A file is therefore registered in pieces of
-``FP8_RELOAD_REGISTER_PIECE`` bytes (default 64 MiB, ~1.5 ms), and a copy never crosses
-two pieces (`to_device`: the driver would see pageable memory).
+other CUDA call of the process (~22-25 ms per GiB on an H200 host, `gpu/register_probe.py`),
+forwards included, whatever the GIL does. A file is therefore registered in pieces of
+``FP8_RELOAD_REGISTER_PIECE`` bytes (default 64 MiB: no wait of another thread's step
+over 2.3 ms, against 6.7 ms with 256 MiB pieces), with the other threads let in between;
+a copy never crosses two pieces (`to_device`: the driver would see pageable memory).
 
 Safety: the CPU never reads a mapping (a file truncated under it would fault the
 process); only the DMA engine does, and a pinned page outlives a truncation. A
@@ -29,8 +34,6 @@ reload: the reload then fails and is rolled back.
 
 from __future__ import annotations
 
-import ctypes
-import functools
 import mmap
 import os
 import stat
@@ -72,48 +75,15 @@ def _unregister(ptrs: list[int], pid: int) -> None:
 class RegisteredFile:
     path: Path
     stamp: tuple
-    view: torch.Tensor  # uint8 over the whole file: DMA-able where its pieces are registered
+    view: torch.Tensor  # uint8 over the whole file, in registered (DMA-able) host memory
     _map: mmap.mmap
     piece: int  # bytes per registration: view[k * piece:(k + 1) * piece] is the k-th
-    _pieces: list[int]  # the addresses of those registered so far, in order
-    refused: bool = False  # the driver refused a piece: no more are tried
+    _pieces: list[int]  # their addresses
 
     def __post_init__(self):
         # a registration must end before its mapping does, or the next mapping at the same
         # address cannot be registered: unregistered when this object goes, if not before
         self._unregister = weakref.finalize(self, _unregister, self._pieces, os.getpid())
-
-    @property
-    def size(self) -> int:
-        return self.view.numel()
-
-    @property
-    def complete(self) -> bool:
-        return len(self._pieces) * self.piece >= self.size
-
-    def ensure(self, end: int, pause: float = 0.0) -> bool:
-        """Register the pieces that hold bytes ``[0, end)``; False when the driver refuses
-        one. `pause`: seconds between two pieces, for the other threads' CUDA calls (held
-        while the driver pins). A reload streaming the file calls this chunk by chunk: the
-        copies queued out of one piece run while the next is pinned."""
-        base, size = self.view.data_ptr(), self.size
-        while len(self._pieces) * self.piece < min(end, size):
-            if self.refused:
-                return False
-            off = len(self._pieces) * self.piece
-            if pause and off:
-                time.sleep(pause)
-            if not host_register(base + off, min(self.piece, size - off), _REGISTER_READ_ONLY):
-                self.refused = True
-                return False
-            self._pieces.append(base + off)
-        return True
-
-    def resident(self, samples: int = 64) -> bool:
-        """Whether the file's pages are in the page cache, by `samples` pages spread over it
-        (`mincore`): registering a page that is not reads it from disk inside the driver,
-        one page fault at a time, with the process's other CUDA calls held."""
-        return pages_resident(self.view.data_ptr(), self.size, samples)
 
     def release(self) -> None:
         if self._map is None:
@@ -124,33 +94,9 @@ class RegisteredFile:
         self._map = None
 
 
-@functools.cache
-def _mincore():
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).mincore
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    return fn
-
-
-def pages_resident(base: int, size: int, samples: int = 64) -> bool:
-    """Whether `samples` pages spread over the mapping ``[base, base + size)`` (page
-    aligned) are all in memory; False when this host cannot tell."""
-    mincore = _mincore()
-    pages = -(-size // _PAGE)
-    if mincore is None or pages == 0:
-        return False
-    flag = ctypes.c_ubyte()
-    for k in sorted({i * (pages - 1) // max(1, samples - 1) for i in range(samples)}):
-        if mincore(base + k * _PAGE, _PAGE, ctypes.byref(flag)) != 0 or not flag.value & 1:
-            return False
-    return True
-
-
-def map_file(path: Path) -> RegisteredFile | None:
-    """`path` mapped, nothing registered yet (`RegisteredFile.ensure` registers); None when
-    this host cannot register it (no CUDA, a file that is not a regular file)."""
+def register(path: Path) -> RegisteredFile | None:
+    """Map and register `path`; None when this host cannot (no CUDA, a driver that
+    refuses read-only registration, a file that is not a regular file)."""
     if not torch.cuda.is_available():
         return None
     try:
@@ -171,22 +117,21 @@ def map_file(path: Path) -> RegisteredFile | None:
         warnings.simplefilter("ignore", UserWarning)
         view = torch.frombuffer(mapped, dtype=torch.uint8)
     piece = max(_PAGE, PIECE_BYTES // _PAGE * _PAGE)  # pieces never share a page
-    return RegisteredFile(Path(path), stamp(st), view, mapped, piece, [])
-
-
-def register(path: Path) -> RegisteredFile | None:
-    """Map and register the whole of `path` now, a piece at a time (`map_file`); None when
-    this host cannot or the driver refuses, with no piece left pinned."""
-    reg = map_file(path)
-    if reg is None:
-        return None
-    whole = False
+    base, done, whole = view.data_ptr(), [], False
     try:
-        whole = reg.ensure(reg.size, _BETWEEN_PIECES)
+        for off in range(0, st.st_size, piece):
+            if done:  # the other threads' CUDA calls, held while the driver pinned, go now
+                time.sleep(_BETWEEN_PIECES)
+            if not host_register(base + off, min(piece, st.st_size - off), _REGISTER_READ_ONLY):
+                break
+            done.append(base + off)
+        else:
+            whole = True
     finally:  # refused, or interrupted (a signal between pieces): no piece stays pinned
         if not whole:  # once its mapping is gone
-            reg.release()
-    return reg if whole else None
+            _unregister(done, os.getpid())
+            mapped.close()
+    return RegisteredFile(Path(path), stamp(st), view, mapped, piece, done) if whole else None
 
 
 class RegisteredShards:
@@ -201,31 +146,25 @@ class RegisteredShards:
         self.reads: dict[str, tuple] = {}  # path: (stamp, reloads that read it under that stamp)
 
     def current(self, path) -> RegisteredFile | None:
-        """`path` registered whole, if its stamp still matches. A changed file is released,
-        and so is one a reload left part registered (the driver refused a piece, or the
-        reload was interrupted: it has finished with the device since)."""
+        """`path` registered, if its stamp still matches; a changed file is released."""
         key = str(path)
         reg = self.files.get(key)
         if reg is None:
             return None
-        if not reg.complete or reg.stamp != file_stamp(path):
-            if reg.refused:
-                self.refused.add((key, reg.stamp))
-            self.drop(key)  # its pages are not this file's any more, or not all pinned
+        if reg.stamp != file_stamp(path):
+            self.drop(key)  # its pages are not this file's any more
             return None
         self.files[key] = self.files.pop(key)  # (most recently used last)
         return reg
 
-    def get(self, path, now: bool = True) -> RegisteredFile | None:
-        """`path` registered: the current registration, or a new one (None if refused).
-        `now`: every piece at once; otherwise mapped only, for a reload to register as it
-        streams the file (`RegisteredFile.ensure`)."""
+    def get(self, path) -> RegisteredFile | None:
+        """`path` registered: the current registration, or a new one (None if refused)."""
         reg = self.current(path)
         if reg is not None:
             return reg
         if (str(path), file_stamp(path)) in self.refused:
             return None
-        reg = register(Path(path)) if now else map_file(Path(path))
+        reg = register(Path(path))
         if reg is None:
             self.refused.add((str(path), file_stamp(path)))
             return None
@@ -239,8 +178,9 @@ class RegisteredShards:
 
     def make_room(self, nbytes: int, budget: int, keep: set[str]) -> bool:
         """Whether `nbytes` more fit in `budget`, after releasing the files changed or gone
-        since they were registered, then those used longest ago outside `keep` (RL weight
-        sync reads each step's checkpoint from new files: the old ones would stay pinned)."""
+        since they were registered, then those used longest ago outside `keep`. Without
+        it a full budget stayed full: no shard was registered again until
+        `release_staging`, and a deleted checkpoint's pages stayed pinned."""
         for key, reg in list(self.files.items()):
             if reg.stamp != file_stamp(key):
                 self.drop(key)
@@ -264,7 +204,7 @@ class RegisteredShards:
         return n
 
     def nbytes(self) -> int:
-        return sum(f.size for f in self.files.values())
+        return sum(f.view.numel() for f in self.files.values())
 
     def release(self) -> None:
         for f in self.files.values():

@@ -10,20 +10,19 @@ Two sources:
   and one copy out of each buffer.
 
 Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
-shard that a reload reads most of, on its first read, as the reload streams it: piece
-by piece under the weights lock, each piece's copies running while the next is pinned
-(~85% of the link's speed for a page-cached file, against ~35% through the readers'
-ring), if its pages are in the page cache (a cold file goes through the ring, and the
-next reload finds it cached). A reload that reads little of a shard (an EPLB step) would
-pay a registration for bytes it does not need: it registers such a shard the second time
-one reads from it under the same stamps, before the weights lock, at most
-``FP8_RELOAD_REGISTER_STEP`` bytes of them per reload (default 4 GiB, ~0.1 s), or one
-shard if that one is larger (0: never). ``always`` registers every shard it reads;
-``never`` none. Registrations are kept while their files' stamps are unchanged, within
-``FP8_RELOAD_REGISTER_BUDGET`` bytes of locked memory (default half the host's memory):
-files used longest ago are released to make room. Under ``FP8_RELOAD_IO=direct``
-``auto`` registers nothing: a registration is the file's pages in the page cache, which
-direct reads keep clear.
+shard the second time a reload reads from it under the same stamps (what EPLB and RL
+weight sync do; registering costs about one read of the file, so a checkpoint read once
+never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
+default half the host's memory: the files used longest ago are released to make
+room); ``always``; ``never``. A reload that reads little of a
+shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
+``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.1 s of a page-cached
+file on an H200 host), or one shard if that one is larger (0: such reloads register
+nothing): a large checkpoint gets registered over several steps, not in one.
+Registration runs before the weights lock, in pieces (`checkpoint.registered`: the driver
+holds the process's other CUDA calls while it pins one, ~2 ms), so forwards go on in
+between. Under ``FP8_RELOAD_IO=direct`` ``auto`` registers nothing: a registration is
+the file's pages in the page cache, which direct reads keep clear.
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
@@ -132,16 +131,14 @@ def bytes_by_file(targets: list[Target]) -> dict[str, int]:
 def registered_files(model, ckpt, read: dict[str, int]) -> dict:
     """{file: RegisteredFile} for the files of `read` ({file: bytes this reload reads})
     that this reload reads from registered memory, registering those the policy wants.
-    A file this reload reads most of is only mapped here: `commit_cuda` registers it
-    piece by piece as it streams it, its copies running while the next piece is pinned.
-    Others are registered here, before the weights lock, so forwards are not locked out
-    meanwhile (the driver holds their CUDA calls a piece at a time, `checkpoint.registered`).
-    The registry counts, per file and stamps, the reloads that read from it;
-    `release_staging` forgets the counts."""
+    Registering pins a file's pages: the transaction calls this before it takes the
+    weights lock, so forwards are not locked out meanwhile (the driver holds their CUDA
+    calls a piece at a time, `checkpoint.registered`). The registry counts, per file and
+    stamps, the reloads that read from it; `release_staging` forgets the counts."""
     shards: RegisteredShards = holder(model, "registered", RegisteredShards)
     if REGISTER == "never":
         return {}
-    cache_ok = _chunks.READ_IO != "direct" or REGISTER == "always"  # (direct reads keep the cache clear)
+    cache_ok = _chunks.READ_IO != "direct"  # (direct reads keep the page cache clear)
     out, step, budget = {}, REGISTER_STEP, _register_budget()
     first = REGISTER_STEP > 0  # a step may take one shard larger than itself
     keep = {str(ckpt.path / f) for f in read}
@@ -151,34 +148,19 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
         size = parsed[2]
         mostly = 2 * nbytes >= size  # registering costs this reload about nothing extra
         reads = shards.count_read(path, parsed)
+        want = REGISTER == "always" or (reads >= 2 and cache_ok
+                                        and (mostly or size <= step or first))
         current = shards.current(path)
-        if current is None and cache_ok and mostly:
-            current = _streamed(shards, path, parsed, budget, keep)
-        elif current is None and cache_ok and (REGISTER == "always" or (
-                reads >= 2 and (size <= step or first))) and shards.make_room(size, budget, keep):
+        if current is None and want and shards.make_room(size, budget, keep):
             with trace.range("fp8_reload/register", payload=size):
                 current = shards.get(path)
-            if current is not None:
+            if current is not None and not mostly:
                 step, first = step - size, False
         # a writer may have renamed a new version in since the plan: its bytes are not at
         # the parsed offsets; the ring's `open_shard` refuses it with a clear error
         if current is not None and current.stamp == parsed:
             out[fname] = current
     return out
-
-
-def _streamed(shards: RegisteredShards, path, parsed: tuple, budget: int, keep: set[str]):
-    """`path` mapped for the commit to register as it streams it, if it fits the budget and
-    (``auto``) its pages are in the page cache: a page that is not would be read from disk
-    inside the driver, a fault at a time; the readers' ring reads it faster, and the next
-    reload finds it cached."""
-    if not shards.make_room(parsed[2], budget, keep):
-        return None
-    reg = shards.get(path, now=False)
-    if reg is not None and (reg.stamp != parsed or (REGISTER == "auto" and not reg.resident())):
-        shards.drop(path)
-        return None
-    return reg
 
 
 def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: int | None) -> None:
@@ -284,16 +266,6 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     return landed
 
 
-def _pinned(reg, end: int) -> bool:
-    """Bytes ``[0, end)`` of `reg` registered: a file this reload registers as it streams
-    (`registered_files`) gets its next pieces now, while the copies queued out of the
-    pieces before them run."""
-    if reg.complete:
-        return True
-    with trace.range("fp8_reload/register", payload=end):
-        return reg.ensure(end)
-
-
 def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict, device,
                 keep_tables: bool = True, backup_ahead=None, registered: dict | None = None) -> None:
     """Copy every streamed target into place on `device` (the model's), then check the
@@ -320,9 +292,9 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
         # before the lock); a filtered reload's are mostly gaps: the spans alone
         if end - start <= chunk.extent + chunk.extent // WINDOW_SLACK:
             direct.append((Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
-                           start, end, chunk))
+                           start, end))
         else:
-            direct.append((chunk, None, end, chunk))
+            direct.append((chunk, None, None))
         windows.append(direct[-1][0].extent)
     slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
     slots.reserve(max(windows + [c.extent for c in rest]), device)
@@ -331,20 +303,17 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     flags = []
     try:
         with torch.cuda.stream(stream):
-            turn = itertools.count()  # which device buffer: the two alternate
-            with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, *_ in direct)):
-                for chunk, start, end, whole in direct:
+            with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, _, _ in direct)):
+                for k, (chunk, start, end) in enumerate(direct):
                     reg = registered[chunk.file]
-                    if not _pinned(reg, end):  # refused: the file's chunks from here go through the ring
-                        rest.append(whole)
-                        continue
                     if start is None:
-                        _land(chunk, reg.view, next(turn), *landing, gather=True, piece=reg.piece)
+                        _land(chunk, reg.view, k, *landing, gather=True, piece=reg.piece)
                     else:
-                        _land(chunk, reg.view[start:end], next(turn), *landing, base=start, piece=reg.piece)
+                        _land(chunk, reg.view[start:end], k, *landing, base=start, piece=reg.piece)
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
             if rest:
                 ring = ring_for(model, max(c.buffer_bytes for c in rest), pin=True)
+                turn = itertools.count(len(direct))  # which device buffer: the two alternate
                 with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
                     stream_through_ring(ckpt, rest, ring,
                                         lambda chunk, buf: _land(chunk, buf, next(turn), *landing), stats,
