@@ -151,6 +151,33 @@ def test_shards_are_registered_before_the_weights_lock(ckpts, monkeypatch):
     fr.release_staging(model)
 
 
+def test_registrations_dropped_are_unregistered_under_the_weights_lock(ckpts, monkeypatch):
+    """The driver's unregister waits for the whole device and holds the process's other
+    CUDA calls meanwhile (review, helper 34: 451-489 ms behind a forward's queued
+    kernels): registrations dropped to make room are unregistered under the weights lock,
+    once the device is idle, not in the read phase beside running forwards."""
+    import fp8_reload.checkpoint.registered as registered_mod
+
+    if not torch.cuda.is_available():
+        pytest.skip("registration is a CUDA path")
+    monkeypatch.setattr(to_device, "REGISTER", "auto")
+    sizes = [sum(c.parsed_stamp(f)[2] for f in c.shard_files)
+             for c in (fr.Checkpoint(ckpts["fp8", s]) for s in (0, 1))]
+    monkeypatch.setattr(to_device, "_register_budget", lambda: max(sizes) + 1)  # one checkpoint's worth
+    model = fr.load_model(ckpts["fp8", 0], device="cuda")
+    writing, real = [], registered_mod.host_unregister
+    monkeypatch.setattr(registered_mod, "host_unregister",
+                        lambda ptr: (writing.append(model.weights_lock.writing), real(ptr)))
+    for seed in (1, 0):
+        for _ in range(2):  # registered the second time; seed 0's make room: seed 1's dropped
+            fr.update_weights_from_disk(model, ckpts["fp8", seed])
+    assert writing and all(writing)
+    assert all(str(ckpts["fp8", 0]) in k for k in held(model)["registered"].files)
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 0], device="cuda")),
+                             fr.snapshot(model)) == []
+    fr.release_staging(model)
+
+
 @pytest.mark.parametrize("in_stream", [True, False], ids=["in-stream", "loaders"])
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
 def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec,

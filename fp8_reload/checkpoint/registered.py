@@ -16,8 +16,10 @@ that did so took 193-209 ms against 105-120 ms through the readers' ring
 
 What it holds: the files' pages stay resident and locked while registered (one
 checkpoint's size of host memory, shared with the page cache, not a copy), within a
-budget; files changed or gone, then those used longest ago, are released to make room
-(`make_room`). `release` (and `fr.release_staging(model)`) gives them back.
+budget; files changed or gone, then those used longest ago, are dropped to make room
+(`make_room`), and unregistered under the weights lock once the device is idle
+(`release_dropped`: the driver's unregister waits for the whole device). `release` (and
+`fr.release_staging(model)`) gives them back.
 
 What it costs the process's other threads: while the driver pins pages it holds every
 other CUDA call of the process (~22-25 ms per GiB on an H200 host, `gpu/register_probe.py`),
@@ -79,6 +81,10 @@ class RegisteredFile:
     _map: mmap.mmap
     piece: int  # bytes per registration: view[k * piece:(k + 1) * piece] is the k-th
     _pieces: list[int]  # their addresses
+
+    @property
+    def size(self) -> int:
+        return self.view.numel()
 
     def __post_init__(self):
         # a registration must end before its mapping does, or the next mapping at the same
@@ -144,9 +150,10 @@ class RegisteredShards:
         self.files: dict[str, RegisteredFile] = {}
         self.refused: set[tuple] = set()  # (path, stamp) registration failed for: not retried
         self.reads: dict[str, tuple] = {}  # path: (stamp, reloads that read it under that stamp)
+        self.dropped: list[RegisteredFile] = []  # out of use, unregistered by `release_dropped`
 
     def current(self, path) -> RegisteredFile | None:
-        """`path` registered, if its stamp still matches; a changed file is released."""
+        """`path` registered, if its stamp still matches; a changed file is dropped."""
         key = str(path)
         reg = self.files.get(key)
         if reg is None:
@@ -162,7 +169,7 @@ class RegisteredShards:
         reg = self.current(path)
         if reg is not None:
             return reg
-        if (str(path), file_stamp(path)) in self.refused:
+        if self.refused_now(path):
             return None
         reg = register(Path(path))
         if reg is None:
@@ -171,25 +178,40 @@ class RegisteredShards:
         self.files[str(path)] = reg
         return reg
 
+    def refused_now(self, path) -> bool:
+        return (str(path), file_stamp(path)) in self.refused
+
     def drop(self, path) -> None:
+        """Stop using `path`'s registration; it is unregistered by `release_dropped`."""
         reg = self.files.pop(str(path), None)
         if reg is not None:
-            reg.release()
+            self.dropped.append(reg)
+
+    def release_dropped(self) -> None:
+        """Unregister what `drop` set aside. The driver's unregister waits for every kernel
+        queued on the device and holds the process's other CUDA calls meanwhile (review,
+        helper 34: 451-489 ms with a forward's worth of matmuls queued): the reload calls
+        this under the weights lock, once the device is idle."""
+        while self.dropped:
+            self.dropped.pop().release()
 
     def make_room(self, nbytes: int, budget: int, keep: set[str]) -> bool:
-        """Whether `nbytes` more fit in `budget`, after releasing the files changed or gone
-        since they were registered, then those used longest ago outside `keep`. Without
-        it a full budget stayed full: no shard was registered again until
-        `release_staging`, and a deleted checkpoint's pages stayed pinned."""
+        """Whether `nbytes` more fit in `budget`, after dropping the files changed or gone
+        since they were registered, then those used longest ago; never one of `keep` (this
+        reload's), and nothing when even that would not make room. Without it a full
+        budget stayed full (nothing registered again until `release_staging`) and a
+        deleted checkpoint's pages stayed pinned."""
         for key, reg in list(self.files.items()):
-            if reg.stamp != file_stamp(key):
+            if key not in keep and reg.stamp != file_stamp(key):
                 self.drop(key)
-        for key in list(self.files):
+        if sum(f.size for k, f in self.files.items() if k in keep) + nbytes > budget:
+            return False
+        for key in list(self.files):  # (least recently used first)
             if self.nbytes() + nbytes <= budget:
                 break
             if key not in keep:
                 self.drop(key)
-        return self.nbytes() + nbytes <= budget
+        return True
 
     def count_read(self, path, stamp: tuple) -> int:
         """One more reload reads `path` under `stamp`: how many have (a new stamp starts
@@ -204,11 +226,11 @@ class RegisteredShards:
         return n
 
     def nbytes(self) -> int:
-        return sum(f.view.numel() for f in self.files.values())
+        return sum(f.size for f in self.files.values())
 
     def release(self) -> None:
-        for f in self.files.values():
-            f.release()
+        self.dropped += self.files.values()
         self.files.clear()
+        self.release_dropped()
         self.refused.clear()
         self.reads.clear()

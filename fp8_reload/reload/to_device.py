@@ -38,11 +38,12 @@ from __future__ import annotations
 import itertools
 import os
 
+import numpy as np
 import torch
 
 from .. import trace
 from ..checkpoint.registered import RegisteredShards
-from ..checkpoint.staging import holder
+from ..checkpoint.staging import held, holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
@@ -109,7 +110,7 @@ class RowTables:
         if table is None:
             from ..kernels.triton.copy_rows import row_table  # needs triton: imported on use
 
-            cols = torch.tensor(copies, dtype=torch.int64).reshape(-1, 3)
+            cols = np.array(copies, dtype=np.int64).reshape(-1, 3)  # (numpy: host time, see row_table)
             table = row_table(cols[:, 0] + base, cols[:, 1], cols[:, 2], device)
             if keep:
                 if len(self.tables) >= self.KEEP:
@@ -151,7 +152,7 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
         want = REGISTER == "always" or (reads >= 2 and cache_ok
                                         and (mostly or size <= step or first))
         current = shards.current(path)
-        if current is None and want and shards.make_room(size, budget, keep):
+        if current is None and want and not shards.refused_now(path) and shards.make_room(size, budget, keep):
             with trace.range("fp8_reload/register", payload=size):
                 current = shards.get(path)
             if current is not None and not mostly:
@@ -161,6 +162,15 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
         if current is not None and current.stamp == parsed:
             out[fname] = current
     return out
+
+
+def release_dropped(model) -> None:
+    """Unregister the registrations `registered_files` stopped using (files changed, room
+    made): the driver's unregister waits for the whole device, so the transaction calls
+    this under the weights lock, once the device is idle (`RegisteredShards.release_dropped`)."""
+    shards = held(model).get("registered")
+    if shards is not None:
+        shards.release_dropped()
 
 
 def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: int | None) -> None:

@@ -61,7 +61,7 @@ from .plan import (
 )
 from .stream import commit, prepare
 from .targets import write_order
-from .to_device import bytes_by_file, registered_files
+from .to_device import bytes_by_file, registered_files, release_dropped
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -232,6 +232,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 with timer.phase("wait"):  # GPU: kernels of forwards on any stream finish
                     progress.doing = "waiting for running forwards"
                     synchronize(device)
+                    if cuda:  # unregistering waits for the whole device: here, where it is idle
+                        release_dropped(model)
                 if streaming:  # its copies run beside the commit's (see capture_backup)
                     with timer.phase("backup"):
                         progress.doing = "backing up"
