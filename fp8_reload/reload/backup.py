@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import signal
 import threading
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager, nullcontext, suppress
 
 import torch
 from torch import nn
@@ -392,6 +392,8 @@ def roll_back(model, backup: Backup, fault: BaseException, ckpt, doing: str) -> 
             backup.restore()
             synchronize(model)
         except BaseException as e:
+            with suppress(Exception):  # queued copies read shards and staging: done before those go
+                synchronize(model)
             reason = (f"reload from {ckpt.path} failed while {doing} ({type(fault).__name__}: "
                       f"{fault}) and restoring the backup failed too ({type(e).__name__}: {e})")
             model.weights_undefined = reason
