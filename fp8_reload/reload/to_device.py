@@ -13,8 +13,9 @@ Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) regist
 shard the second time a reload reads from it under the same stamps (what EPLB and RL
 weight sync do; registering costs about one read of the file, so a checkpoint read once
 never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
-default half the host's memory: the files used longest ago are released to make
-room); ``always``; ``never``. A reload that reads little of a
+default half the host's memory: files changed or gone, then those used longest ago, are
+dropped to make room, and unregistered under the weights lock, `release_dropped`);
+``always``; ``never``. A reload that reads little of a
 shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
 ``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.1 s of a page-cached
 file on an H200 host), or one shard if that one is larger (0: such reloads register
