@@ -1,6 +1,6 @@
 """Does unregistering a shard (`cudaHostUnregister`, what dropping a registration does)
 wait for unrelated device work, and hold other threads' CUDA calls meanwhile? It does
-(review, helper 34, `results/h200/reload-engine/unregister_probe-ca1c8fe.txt`): so the
+(review, helper 34, `results/h200/reload-engine/unregister_probe-1886efb.txt`): so the
 reload unregisters under the weights lock once the device is idle (`release_dropped`).
 
 Printed: one registration of a 2 GiB page-cached file released with the device idle and
