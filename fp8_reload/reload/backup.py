@@ -382,11 +382,9 @@ def sigint_deferred():
 
 
 def roll_back(model, backup: Backup, fault: BaseException, ckpt, doing: str) -> None:
-    """Restore the backup; RollbackError (and mark the model) if that fails too.
-
-    The model is marked before a deferred Ctrl-C is handed on, so an interrupt
-    arriving during a failing restore cannot leave undefined weights unmarked.
-    """
+    """Restore the backup; RollbackError (and mark the model) if that fails too. The model is
+    marked before a deferred Ctrl-C is handed on, so an interrupt arriving during a failing
+    restore cannot leave undefined weights unmarked."""
     with sigint_deferred():
         try:
             backup.restore()
