@@ -21,7 +21,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from .runtime import INTERPRET, check_device, device_ints, tl, triton
+from .runtime import INTERPRET, check_device, device_ints, owners, tl, triton
 
 WORDS = 4096  # 32-bit words (16 KiB) per block
 BLOCK_BYTES = 4 * WORDS
@@ -87,7 +87,7 @@ def row_table(src, dst, nbytes, device) -> RowTable:
     blocks = (nbytes + BLOCK_BYTES - 1) // BLOCK_BYTES
     span = max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # blocks per program
     per = (blocks + span - 1) // span
-    owner = np.repeat(np.arange(n, dtype=np.int64), per)
+    owner = owners(per)
     words = (src % 4 == 0) & (dst % 4 == 0) & (nbytes % 4 == 0)
     aligned = words.astype(np.int64) + (words & (src % 16 == 0) & (dst % 16 == 0))
     table = np.concatenate([src, dst, nbytes, aligned, np.cumsum(per) - per, owner])

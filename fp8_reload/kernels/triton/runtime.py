@@ -68,13 +68,14 @@ def launch_opts(cfg: dict) -> dict:
     return {} if INTERPRET else {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
 
 
-def owners(per: torch.Tensor) -> torch.Tensor:
-    """``[0] * per[0] + [1] * per[1] + ...`` (int64, host): which row each program of a
-    launch serves. Built in numpy: torch's CPU ``repeat_interleave`` runs on its thread
-    pool whatever the size, and a pool woken while a reload's reader threads hold the cores
-    cost each chunk of a bf16 first reload ~3 ms on the H200 host (x100 a reload,
-    `results/h200/reload-engine/trace-57009e6.md`)."""
-    return torch.from_numpy(np.repeat(np.arange(per.numel(), dtype=np.int64), per.numpy()))
+def owners(per) -> np.ndarray:
+    """``[0] * per[0] + [1] * per[1] + ...`` (int64 numpy, from a host tensor or array):
+    which row each program of a launch serves. Built in numpy: torch's CPU
+    ``repeat_interleave`` runs on its thread pool whatever the size, and a pool woken while
+    a reload's reader threads hold the cores cost each chunk of a bf16 first reload ~3 ms
+    on the H200 host (x100 a reload, `results/h200/reload-engine/trace-57009e6.md`)."""
+    per = np.asarray(per, dtype=np.int64)
+    return np.repeat(np.arange(per.size, dtype=np.int64), per)
 
 
 def device_ints(values, device) -> torch.Tensor:

@@ -121,7 +121,7 @@ class ValueTable:
         blocks = (words + BLOCK - 1) // BLOCK
         self.span = BLOCK * max(1, -(-int(blocks.sum()) // MAX_PROGRAMS))  # bounds the owner table
         per = (words + self.span - 1) // self.span
-        owner = owners(per)
+        owner = torch.from_numpy(owners(per))
         self.programs = owner.numel()
         columns = torch.tensor([ptrs, masks, codes], dtype=torch.int64).view(3, -1)
         table = torch.cat([columns[0], words, columns[1], columns[2], per.cumsum(0) - per, owner])
