@@ -135,6 +135,21 @@ class Checkpoint:
             return False
         return True
 
+    def same_layout(self, other: Checkpoint) -> bool:
+        """Whether `other`, an earlier parse of this directory, was made from the same
+        config.json and index bytes, and its shard headers parse here to the very same
+        `TensorInfo`s (`header.parse_shard_header` keeps them by name, size and bytes): then
+        what was planned from `other` holds for this parse. Values are not compared."""
+        def raw(sources):
+            return {name: None if src is None else src[0] for name, src in sources.items()}
+
+        if raw(self.sources) != raw(other.sources):
+            return False
+        try:
+            return all(self._header(f) is h.tensors for f, h in list(other._headers.items()))
+        except CheckpointError:  # (a shard gone or broken: the plan that follows says what)
+            return False
+
     def _quantization(self, qc) -> tuple[str, str]:
         where = f"{self.path / 'config.json'}: quantization_config"
         if qc is None:

@@ -159,8 +159,11 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
             pass  # advice only: the reads themselves report real errors
 
 
+SCALAR_GAP = 64 << 10  # scales closer than this are read in one call (safetensors keeps them together)
+
+
 def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[float]:
-    """The values of the 0-dim float32 targets, one positional read per run of adjacent
+    """The values of the 0-dim float32 targets, one positional read per run of near
     ones; with `check`, each must be finite and positive. Values are kept with the parsed
     checkpoint (which lives while the files' stamps are unchanged) when their shard was
     settled when parsed (`Checkpoint.settled`): a repeated reload reads none of them
@@ -169,20 +172,25 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
     fresh: dict[str, float] = {}
     todo = sorted((t for t in targets if t.info.name not in known),
                   key=lambda t: (t.info.file, t.info.offset))
-    for chunk in make_chunks(todo, 1 << 40, align=1):
-        path = ckpt.path / chunk.file
+    runs: dict[str, list[list]] = {}  # file -> [[start, end, targets]]: one read each
+    for t in todo:
+        lo, hi, its = t.info.offset, t.info.offset + t.info.nbytes, runs.setdefault(t.info.file, [])
+        if its and lo - its[-1][1] <= SCALAR_GAP:
+            its[-1][1] = max(its[-1][1], hi)
+            its[-1][2].append(t)
+        else:
+            its.append([lo, hi, [t]])
+    for fname, its in runs.items():
+        path = ckpt.path / fname
         # kept only from a shard settled when parsed: a fresh one rewritten in place
         # within its timestamp tick keeps its stamp, and its new scales must be read
-        into = known if ckpt.settled(chunk.file) else fresh
-        handle, _ = ckpt.open_shard(chunk.file)
-        inside = iter(chunk.targets)  # in offset order, as the spans: one pass over both
-        t = next(inside, None)
+        into = known if ckpt.settled(fname) else fresh
+        handle, _ = ckpt.open_shard(fname)
         with handle:
-            for off, n, _ in chunk.spans:
-                raw = read_span(handle, path, off, n, what=f"scales at byte {off}").numpy().tobytes()
-                while t is not None and t.info.offset < off + n:
-                    (into[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - off)
-                    t = next(inside, None)
+            for lo, hi, inside in its:
+                raw = read_span(handle, path, lo, hi - lo, what=f"scales at byte {lo}").numpy().tobytes()
+                for t in inside:
+                    (into[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - lo)
     values = [fresh[n] if n in fresh else known[n] for n in (t.info.name for t in targets)]
     if check:
         for t, v in zip(targets, values):

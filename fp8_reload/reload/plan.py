@@ -45,14 +45,22 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
     Neither a file replaced while it was being parsed nor one rewritten within one
     timestamp tick can leave a stale parse. The last `keep` checkpoints are kept (with
     what hangs on them: checked values, the full-reload plan), so that alternating
-    between two (RL weight sync's two buffers) keeps both."""
+    between two (RL weight sync's two buffers) keeps both.
+
+    Files with new stamps but the same layout (touched, or new values written in the
+    same places, as RL weight sync does) are parsed anew, values unchecked, scales
+    unread, but keep the plans (`Checkpoint.same_layout`): planning a whole model again
+    cost more than its parse."""
     key = _key(path)
     cache = model.__dict__.setdefault("_checkpoint_cache", {})
     cached = cache.pop(key, None)
     if cached is not None and cached[1].unchanged():
         cache[key] = cached  # most recent last
         return cached[1]
-    return remember_checkpoint(model, Checkpoint(path), keep)
+    ckpt = Checkpoint(path)
+    if cached is not None and cached[1].plans and ckpt.same_layout(cached[1]):
+        ckpt.plans = cached[1].plans  # (`Planned`: names and their index only)
+    return remember_checkpoint(model, ckpt, keep)
 
 
 def remember_checkpoint(model, ckpt: Checkpoint, keep: int = 2) -> Checkpoint:
