@@ -25,6 +25,7 @@ import torch
 import fp8_reload as fr
 import fp8_reload.reload.chunks as ch
 import fp8_reload.reload.ring as ring_mod
+import fp8_reload.reload.to_device as to_device
 from fp8_reload.testing import io_paths
 
 MiB = 1 << 20
@@ -107,6 +108,79 @@ def ring_alone(ckpt, files, slots: int, cmib: int, gb: float, h2d: float) -> Non
     ring.release()
 
 
+def timeline(model, path, files, label: str) -> None:
+    """One first reload, per chunk (ms from its start): asked of the readers, read whole,
+    landed (host), its host-to-device copy on the device (start-end, events around it)."""
+    from fp8_reload.checkpoint import read_procs
+
+    procs = read_procs.pool()
+    real_submit, real_wait, real_landed = procs.submit, procs.wait, ring_mod._landed
+    real_copy = to_device._from_host
+    t0 = [0.0]
+    rows: dict = {}
+    copies: list = []
+
+    def submit(chunk, pieces):
+        rows.setdefault(chunk, {})["ask"] = time.perf_counter() - t0[0]
+        return real_submit(chunk, pieces)
+
+    def wait(chunk):
+        out = real_wait(chunk)
+        if chunk >= 0:
+            rows.setdefault(chunk, {})["read"] = time.perf_counter() - t0[0]
+        return out
+
+    def landed(ring, k, chunk, land, stats):
+        real_landed(ring, k, chunk, land, stats)
+        rows.setdefault(k, {})["landed"] = time.perf_counter() - t0[0]
+
+    def from_host(dst, src, stream, base, piece):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(stream)
+        real_copy(dst, src, stream, base, piece)
+        b.record(stream)
+        copies.append((a, b))
+
+    real_commit = to_device.commit_cuda
+    ahead: list = []
+
+    def commit(*a, **k):
+        inner = k.get("backup_ahead")
+        if inner is not None:
+            def timed_ahead():
+                start = time.perf_counter() - t0[0]
+                inner()
+                ahead.append((start, time.perf_counter() - t0[0]))
+            k["backup_ahead"] = timed_ahead
+        return real_commit(*a, **k)
+
+    procs.submit, procs.wait, ring_mod._landed, to_device._from_host = submit, wait, landed, from_host
+    to_device.commit_cuda = commit
+    try:
+        io_paths.touch(files)
+        torch.cuda.synchronize()
+        base = torch.cuda.Event(enable_timing=True)
+        t0[0] = time.perf_counter()
+        base.record()
+        rep = fr.update_weights_from_disk(model, path)
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0[0]
+    finally:
+        procs.submit, procs.wait, ring_mod._landed, to_device._from_host = \
+            real_submit, real_wait, real_landed, real_copy
+        to_device.commit_cuda = real_commit
+    phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
+    queued = "; ".join(f"backup queued {a * 1e3:.2f}-{b * 1e3:.2f} ms" for a, b in ahead)
+    print(f"[timeline {label}] wall {wall * 1e3:.1f} ms: {phases}; {queued}")
+    print("  chunk   asked    read  landed |  h2d start    end")
+    for k in sorted(rows):
+        r = rows[k]
+        dev = (f"{base.elapsed_time(copies[k][0]):9.2f} {base.elapsed_time(copies[k][1]):6.2f}"
+               if k < len(copies) else "")
+        print(f"  {k:5d} {r.get('ask', -1) * 1e3:7.2f} {r.get('read', -1) * 1e3:7.2f} "
+              f"{r.get('landed', -1) * 1e3:7.2f} | {dev}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -115,6 +189,12 @@ def main() -> None:
     ap.add_argument("--slots", default="4,8")
     ap.add_argument("--chunks", default="64")
     ap.add_argument("--reloads", type=int, default=3)
+    ap.add_argument("--alone", default=None,
+                    help="ring shapes (SxMiB,...) of part 2; default: --slots x --chunks")
+    ap.add_argument("--timeline", action="store_true",
+                    help="then one first reload per shape, each chunk's times (host and host-to-device copy)")
+    ap.add_argument("--lazy-backup", action="store_true",
+                    help="first reloads also with the backup queued as the writes ask (no backup_ahead)")
     args = ap.parse_args()
     path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
     if not (path / "config.json").exists():
@@ -129,11 +209,11 @@ def main() -> None:
 
     h2d = limits(files, nbytes)
     ckpt = fr.Checkpoint(path)
-    for slots, cmib in shapes:
+    alone = shapes if args.alone is None else [tuple(map(int, x.split("x"))) for x in args.alone.split(",")]
+    for slots, cmib in alone:
         ring_alone(ckpt, files, slots, cmib, gb, h2d)
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)
-    import fp8_reload.reload.to_device as to_device
     to_device.REGISTER = "never"
     real_landed = ring_mod._landed
     lands: list = []
@@ -147,23 +227,45 @@ def main() -> None:
             ring.events[slot] = TimedEvent(ring.events[slot])
 
     ring_mod._landed = landed
-    for slots, cmib in shapes:
-        ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
-        walls = []
-        for _ in range(args.reloads + 1):
-            io_paths.touch(files)
-            lands.clear()
-            TimedEvent.waited = 0.0
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            rep = fr.update_weights_from_disk(model, path)
-            torch.cuda.synchronize()
-            walls.append(time.perf_counter() - t0)
-        phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
-        w = min(walls[1:])
-        print(f"[first reload, ring {slots}x{cmib} MiB] best {w * 1e3:.1f} ms ({h2d / w:.0%} of H2D), "
-              f"walls {' '.join(f'{x * 1e3:.0f}' for x in walls)}; last: {phases}; land x{len(lands)} "
-              f"{sum(lands) * 1e3:.1f} ms; slot events waited {TimedEvent.waited * 1e3:.1f} ms", flush=True)
+    real_stream, real_commit = to_device.stream_through_ring, to_device.commit_cuda
+    ring_done = [0.0]
+
+    def stream(*a, **k):
+        real_stream(*a, **k)
+        ring_done[0] = time.perf_counter()
+
+    def lazy_commit(*a, **k):
+        k["backup_ahead"] = None
+        return real_commit(*a, **k)
+
+    to_device.stream_through_ring = stream
+    for lazy in (False, True) if args.lazy_backup else (False,):
+        to_device.commit_cuda = lazy_commit if lazy else real_commit
+        for slots, cmib in shapes:
+            ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
+            walls, after = [], []
+            for _ in range(args.reloads + 1):
+                io_paths.touch(files)
+                lands.clear()
+                TimedEvent.waited = 0.0
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                rep = fr.update_weights_from_disk(model, path)
+                torch.cuda.synchronize()
+                walls.append(time.perf_counter() - t0)
+                after.append(t0 + walls[-1] - ring_done[0])
+            phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
+            w = min(walls[1:])
+            how = ", lazy backup" if lazy else ""
+            print(f"[first reload, ring {slots}x{cmib} MiB{how}] best {w * 1e3:.1f} ms "
+                  f"({h2d / w:.0%} of H2D), walls {' '.join(f'{x * 1e3:.0f}' for x in walls)}"
+                  f"; last: {phases}; land x{len(lands)} {sum(lands) * 1e3:.1f} ms; slot events waited "
+                  f"{TimedEvent.waited * 1e3:.1f} ms; after the ring {after[-1] * 1e3:.1f} ms", flush=True)
+    to_device.stream_through_ring, to_device.commit_cuda = real_stream, real_commit
+    if args.timeline:
+        for slots, cmib in shapes:
+            ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
+            timeline(model, path, files, f"{slots}x{cmib} MiB")
     ring_mod._landed = real_landed
     fr.release_staging(model)
     fresh = fr.load_model(path, device="cuda")
