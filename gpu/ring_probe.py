@@ -181,6 +181,39 @@ def timeline(model, path, files, label: str) -> None:
               f"{r.get('landed', -1) * 1e3:7.2f} | {dev}", flush=True)
 
 
+def ahead_ab(model, path, files, ways: list[str], rounds: int, h2d: float) -> None:
+    """First reloads, `rounds` rounds of one per way of queueing the host backup (the
+    transaction hands the commit `Backup.queue_all`), interleaved: one host, one A/B."""
+    real_commit = to_device.commit_cuda
+
+    def commit_with(way):
+        def commit(*a, **k):
+            inner = k.get("backup_ahead")
+            if way == "lazy":
+                k["backup_ahead"] = None
+            elif way == "start" and inner is not None:
+                k["backup_ahead"] = inner.__self__._start_if_asked
+            return real_commit(*a, **k)
+        return commit
+
+    walls: dict = {w: [] for w in ways}
+    try:
+        for _ in range(rounds):
+            for way in ways:
+                to_device.commit_cuda = commit_with(way)
+                io_paths.touch(files)
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                fr.update_weights_from_disk(model, path)
+                torch.cuda.synchronize()
+                walls[way].append(time.perf_counter() - t0)
+    finally:
+        to_device.commit_cuda = real_commit
+    for way, ws in walls.items():
+        print(f"[backup queued: {way}] {rounds} first reloads: median {statistics.median(ws) * 1e3:.1f} ms "
+              f"({h2d / statistics.median(ws):.0%} of H2D), best {min(ws) * 1e3:.1f}", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
@@ -193,8 +226,11 @@ def main() -> None:
                     help="ring shapes (SxMiB,...) of part 2; default: --slots x --chunks")
     ap.add_argument("--timeline", action="store_true",
                     help="then one first reload per shape, each chunk's times (host and host-to-device copy)")
-    ap.add_argument("--lazy-backup", action="store_true",
-                    help="first reloads also with the backup queued as the writes ask (no backup_ahead)")
+    ap.add_argument("--ahead", default="",
+                    help="then first reloads, rounds interleaved, per way of queueing the backup: "
+                         "all (default: all of it while the first chunks are read), start (its start "
+                         "only; the rest as the writes ask), lazy (all as the writes ask)")
+    ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
     if not (path / "config.json").exists():
@@ -227,46 +263,42 @@ def main() -> None:
             ring.events[slot] = TimedEvent(ring.events[slot])
 
     ring_mod._landed = landed
-    real_stream, real_commit = to_device.stream_through_ring, to_device.commit_cuda
+    real_stream = to_device.stream_through_ring
     ring_done = [0.0]
 
     def stream(*a, **k):
         real_stream(*a, **k)
         ring_done[0] = time.perf_counter()
 
-    def lazy_commit(*a, **k):
-        k["backup_ahead"] = None
-        return real_commit(*a, **k)
-
     to_device.stream_through_ring = stream
-    for lazy in (False, True) if args.lazy_backup else (False,):
-        to_device.commit_cuda = lazy_commit if lazy else real_commit
-        for slots, cmib in shapes:
-            ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
-            walls, after = [], []
-            for _ in range(args.reloads + 1):
-                io_paths.touch(files)
-                lands.clear()
-                TimedEvent.waited = 0.0
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                rep = fr.update_weights_from_disk(model, path)
-                torch.cuda.synchronize()
-                walls.append(time.perf_counter() - t0)
-                after.append(t0 + walls[-1] - ring_done[0])
-            phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
-            w = min(walls[1:])
-            how = ", lazy backup" if lazy else ""
-            print(f"[first reload, ring {slots}x{cmib} MiB{how}] best {w * 1e3:.1f} ms "
-                  f"({h2d / w:.0%} of H2D), walls {' '.join(f'{x * 1e3:.0f}' for x in walls)}"
-                  f"; last: {phases}; land x{len(lands)} {sum(lands) * 1e3:.1f} ms; slot events waited "
-                  f"{TimedEvent.waited * 1e3:.1f} ms; after the ring {after[-1] * 1e3:.1f} ms", flush=True)
-    to_device.stream_through_ring, to_device.commit_cuda = real_stream, real_commit
+    for slots, cmib in shapes:
+        ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
+        walls, after = [], []
+        for _ in range(args.reloads + 1):
+            io_paths.touch(files)
+            lands.clear()
+            TimedEvent.waited = 0.0
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            rep = fr.update_weights_from_disk(model, path)
+            torch.cuda.synchronize()
+            walls.append(time.perf_counter() - t0)
+            after.append(t0 + walls[-1] - ring_done[0])
+        phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
+        w = min(walls[1:])
+        print(f"[first reload, ring {slots}x{cmib} MiB] best {w * 1e3:.1f} ms "
+              f"({h2d / w:.0%} of H2D), walls {' '.join(f'{x * 1e3:.0f}' for x in walls)}"
+              f"; last: {phases}; land x{len(lands)} {sum(lands) * 1e3:.1f} ms; slot events waited "
+              f"{TimedEvent.waited * 1e3:.1f} ms; after the ring {after[-1] * 1e3:.1f} ms", flush=True)
+    ring_mod._landed = real_landed
+    if args.ahead:
+        ch.RING_SLOTS, ch.CHUNK_BYTES = shapes[0][0], shapes[0][1] * MiB
+        ahead_ab(model, path, files, args.ahead.split(","), args.rounds, h2d)
+    to_device.stream_through_ring = real_stream
     if args.timeline:
         for slots, cmib in shapes:
             ch.RING_SLOTS, ch.CHUNK_BYTES = slots, cmib * MiB
             timeline(model, path, files, f"{slots}x{cmib} MiB")
-    ring_mod._landed = real_landed
     fr.release_staging(model)
     fresh = fr.load_model(path, device="cuda")
     same = all(torch.equal(fr.state.raw_bytes(a), fr.state.raw_bytes(b)) for a, b in
