@@ -37,9 +37,9 @@ def _new_values_in_place(src, dst) -> None:
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
-def test_touched_files_keep_the_plan_and_are_checked_again(ckpts, tmp_path, monkeypatch, kind):
+def test_touched_files_keep_the_plan_and_are_checked_again(ckpts, tmp_path, monkeypatch, kind, device):
     path = copy_checkpoint(ckpts[kind, 0], tmp_path / "c")
-    model = fr.load_model(path)
+    model = fr.load_model(path, device=device)
     fr.update_weights_from_disk(model, path)
     before = fr.snapshot(model)
     old = plan_module.open_checkpoint(model, path)
@@ -52,20 +52,20 @@ def test_touched_files_keep_the_plan_and_are_checked_again(ckpts, tmp_path, monk
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
-def test_new_values_in_the_same_places_are_what_the_reload_loads(ckpts, tmp_path, monkeypatch, kind):
+def test_new_values_in_the_same_places_are_what_the_reload_loads(ckpts, tmp_path, monkeypatch, kind, device):
     path = copy_checkpoint(ckpts[kind, 0], tmp_path / "c")
-    model = fr.load_model(path)
+    model = fr.load_model(path, device=device)
     fr.update_weights_from_disk(model, path)
-    expected = fr.snapshot(fr.load_model(ckpts[kind, 1]))
+    expected = fr.snapshot(fr.load_model(ckpts[kind, 1], device=device))
     _new_values_in_place(ckpts[kind, 1], path)
     _refuse_planning(monkeypatch)
     fr.update_weights_from_disk(model, path)
     assert fr.compare_states(expected, fr.snapshot(model)) == []
 
 
-def test_a_bad_value_in_the_same_layout_is_caught_and_rolled_back(ckpts, tmp_path, monkeypatch):
+def test_a_bad_value_in_the_same_layout_is_caught_and_rolled_back(ckpts, tmp_path, monkeypatch, device):
     path = copy_checkpoint(ckpts["fp8", 0], tmp_path / "c")
-    model = fr.load_model(path)
+    model = fr.load_model(path, device=device)
     fr.update_weights_from_disk(model, path)
     before = fr.snapshot(model)
     nan = torch.tensor(0x7F, dtype=torch.uint8).view(torch.float8_e4m3fn)
