@@ -81,17 +81,19 @@ def limits(files, nbytes: int) -> float:
     return h2d
 
 
-def ring_alone(ckpt, files, slots: int, cmib: int, gb: float, h2d: float) -> None:
+def ring_alone(ckpt, files, slots: int, cmib: int, gb: float, h2d: float, beside=None) -> None:
+    """`beside`: (device tensor, pinned tensor) of the files' size: a third run with one
+    device-to-host copy of it queued first on another stream (a host backup's traffic)."""
     ring = ring_mod.Ring(slots, cmib * MiB, pin=True, shared=True)
     chunks = whole_file_chunks(ckpt, [Path(f) for f in files], cmib * MiB)
     dev = [torch.empty(cmib * MiB, dtype=torch.uint8, device="cuda") for _ in range(2)]
     side = torch.cuda.Stream()
     turn = [0]
 
-    def noop(chunk, buf):
+    def noop(chunk, buf, lo, last):
         return None
 
-    def copy(chunk, buf):
+    def copy(chunk, buf, lo, last):
         d = dev[turn[0] % 2][:chunk.nbytes]
         turn[0] += 1
         with torch.cuda.stream(side):
@@ -100,7 +102,18 @@ def ring_alone(ckpt, files, slots: int, cmib: int, gb: float, h2d: float) -> Non
             e.record(side)
         return e
 
-    for name, land in (("read only", noop), ("read + H2D copy", copy)):
+    d2h = torch.cuda.Stream()
+
+    def backed_up(chunk, buf, lo, last):
+        if chunk is chunks[0]:
+            with torch.cuda.stream(d2h):
+                beside[1].copy_(beside[0], non_blocking=True)
+        return copy(chunk, buf, lo, last)
+
+    ways = [("read only", noop), ("read + H2D copy", copy)]
+    if beside is not None:
+        ways.append(("read + H2D copy, D2H beside", backed_up))
+    for name, land in ways:
         stats: dict = {}
         lo, med = best(lambda f=land, st=stats: ring_mod.stream_through_ring(ckpt, chunks, ring, f, st))
         print(f"[ring {slots}x{cmib} MiB, {name}] best {lo * 1e3:.1f} ms ({gb / lo:.1f} GB/s, "
@@ -131,9 +144,9 @@ def timeline(model, path, files, label: str) -> None:
             rows.setdefault(chunk, {})["read"] = time.perf_counter() - t0[0]
         return out
 
-    def landed(ring, k, chunk, land, stats):
-        real_landed(ring, k, chunk, land, stats)
-        rows.setdefault(k, {})["landed"] = time.perf_counter() - t0[0]
+    def landed(ring, q, chunks, parts, land, stats):
+        real_landed(ring, q, chunks, parts, land, stats)
+        rows.setdefault(q, {})["landed"] = time.perf_counter() - t0[0]
 
     def from_host(dst, src, stream, base, piece):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -183,21 +196,31 @@ def timeline(model, path, files, label: str) -> None:
 
 
 def ahead_ab(model, path, files, ways: list[str], rounds: int, h2d: float) -> None:
-    """First reloads, `rounds` rounds of one per way of queueing the host backup (the
-    transaction hands the commit `Backup.queue_all`), interleaved: one host, one A/B."""
-    real_commit = to_device.commit_cuda
+    """First reloads, `rounds` rounds of one per way, interleaved: one host, one A/B. A way is
+    ``QUEUE[/pMiB][/sSLOTS][/cMiB]``: how the host backup is queued (all, start, lazy, pin:
+    see --ahead), and the ring's part size (0: a slot per chunk), slots and chunk size
+    (default: the package's). Each way keeps its own ring (no ring is made in the timing)."""
+    from fp8_reload.checkpoint import read_procs
+    from fp8_reload.checkpoint.staging import held
 
-    def commit_with(way):
+    real_commit = to_device.commit_cuda
+    defaults = (ch.PART_BYTES, ch.RING_SLOTS, ch.CHUNK_BYTES)
+
+    def commit_with(queue):
         def commit(*a, **k):
             inner = k.get("backup_ahead")
-            if way == "lazy":
+            if queue == "lazy":
                 k["backup_ahead"] = None
-            elif way == "start" and inner is not None:
+            elif queue == "start" and inner is not None:
                 k["backup_ahead"] = inner.__self__._start_if_asked
             return real_commit(*a, **k)
         return commit
 
-    from fp8_reload.checkpoint import read_procs
+    def shape(way):
+        got = dict(zip("psc", defaults))
+        for tok in way.split("/")[1:]:
+            got[tok[0]] = int(tok[1:]) * (MiB if tok[0] in "pc" else 1)
+        return got["p"], got["s"], got["c"]
 
     every = os.sched_getaffinity(0)
 
@@ -209,22 +232,29 @@ def ahead_ab(model, path, files, ways: list[str], rounds: int, h2d: float) -> No
         os.sched_setaffinity(0, {min(every)} if on else every)
 
     walls: dict = {w: [] for w in ways}
+    rings: dict = {}
     try:
-        for _ in range(rounds):
+        for r in range(rounds + 1):  # (round 0 makes each way's ring: not counted)
             for way in ways:
-                to_device.commit_cuda = commit_with(way)
-                pin(way == "pin")
+                queue = way.split("/")[0]
+                to_device.commit_cuda = commit_with(queue)
+                ch.PART_BYTES, ch.RING_SLOTS, ch.CHUNK_BYTES = shape(way)
+                held(model)["ring"] = rings.get(way)
+                pin(queue == "pin")
                 io_paths.touch(files)
                 torch.cuda.synchronize()
                 t0 = time.perf_counter()
                 fr.update_weights_from_disk(model, path)
                 torch.cuda.synchronize()
-                walls[way].append(time.perf_counter() - t0)
+                if r:
+                    walls[way].append(time.perf_counter() - t0)
+                rings[way] = held(model)["ring"]
     finally:
         to_device.commit_cuda = real_commit
+        ch.PART_BYTES, ch.RING_SLOTS, ch.CHUNK_BYTES = defaults
         pin(False)
     for way, ws in walls.items():
-        print(f"[backup queued: {way}] {rounds} first reloads: median {statistics.median(ws) * 1e3:.1f} ms "
+        print(f"[first reload, {way}] {rounds} interleaved: median {statistics.median(ws) * 1e3:.1f} ms "
               f"({h2d / statistics.median(ws):.0%} of H2D), best {min(ws) * 1e3:.1f}", flush=True)
 
 
@@ -241,10 +271,11 @@ def main() -> None:
     ap.add_argument("--timeline", action="store_true",
                     help="then one first reload per shape, each chunk's times (host and host-to-device copy)")
     ap.add_argument("--ahead", default="",
-                    help="then first reloads, rounds interleaved, per way of queueing the backup: "
-                         "all (default: all of it while the first chunks are read), start (its start "
-                         "only; the rest as the writes ask), lazy (all as the writes ask); pin: "
-                         "all, the readers kept off the core of the thread landing the chunks")
+                    help="then first reloads, rounds interleaved, per way QUEUE[/pMiB][/sSLOTS][/cMiB]: "
+                         "QUEUE, how the backup is queued: all (the package's: all of it while the first "
+                         "chunks are read), start (its start only; the rest as the writes ask), lazy "
+                         "(all as the writes ask), pin (all, the readers kept off the core of the thread "
+                         "landing the chunks); then the ring's part size, slots, chunk size")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
     path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
@@ -261,19 +292,21 @@ def main() -> None:
     h2d = limits(files, nbytes)
     ckpt = fr.Checkpoint(path)
     alone = shapes if args.alone is None else [tuple(map(int, x.split("x"))) for x in args.alone.split(",")]
+    beside = (torch.empty(nbytes, dtype=torch.uint8, device="cuda"), io_paths.pinned(nbytes))
     for slots, cmib in alone:
-        ring_alone(ckpt, files, slots, cmib, gb, h2d)
+        ring_alone(ckpt, files, slots, cmib, gb, h2d, beside)
+    del beside
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)
     to_device.REGISTER = "never"
     real_landed = ring_mod._landed
     lands: list = []
 
-    def landed(ring, k, chunk, land, stats):
+    def landed(ring, q, chunks, parts, land, stats):
         t0 = time.perf_counter()
-        real_landed(ring, k, chunk, land, stats)
+        real_landed(ring, q, chunks, parts, land, stats)
         lands.append(time.perf_counter() - t0)
-        slot = k % len(ring.buffers)
+        slot = q % len(ring.buffers)
         if ring.events[slot] is not None:
             ring.events[slot] = TimedEvent(ring.events[slot])
 
@@ -301,8 +334,9 @@ def main() -> None:
             after.append(t0 + walls[-1] - ring_done[0])
         phases = ", ".join(f"{k} {v * 1e3:.1f}" for k, v in rep.seconds.items())
         w = min(walls[1:])
-        print(f"[first reload, ring {slots}x{cmib} MiB] best {w * 1e3:.1f} ms "
-              f"({h2d / w:.0%} of H2D), walls {' '.join(f'{x * 1e3:.0f}' for x in walls)}"
+        each = " ".join(f"{x * 1e3:.0f}" for x in walls)
+        print(f"[first reload, ring {slots}x{cmib} MiB, parts {ch.PART_BYTES >> 20} MiB]"
+              f" best {w * 1e3:.1f} ms ({h2d / w:.0%} of H2D), walls {each}"
               f"; last: {phases}; land x{len(lands)} {sum(lands) * 1e3:.1f} ms; slot events waited "
               f"{TimedEvent.waited * 1e3:.1f} ms; after the ring {after[-1] * 1e3:.1f} ms", flush=True)
     ring_mod._landed = real_landed

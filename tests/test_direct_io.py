@@ -47,9 +47,11 @@ def _direct_allowed(directory) -> bool:
 
 @pytest.fixture
 def direct(monkeypatch):
-    """Direct reads, in chunks of at most 16 KiB read in 4 KiB pieces through 2 slots."""
+    """Direct reads, in chunks of at most 16 KiB read in 4 KiB pieces through 2 slots (on a
+    GPU: slots of 8 KiB, a chunk read in parts)."""
     monkeypatch.setattr(chunks_mod, "READ_IO", "direct")
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4 * A)
+    monkeypatch.setattr(chunks_mod, "PART_BYTES", 2 * A)
     monkeypatch.setattr(chunks_mod, "PIECE_BYTES", A)
     monkeypatch.setattr(chunks_mod, "MIN_PIECE_BYTES", A)
     monkeypatch.setattr(chunks_mod, "RING_SLOTS", 2)
@@ -91,6 +93,28 @@ def test_direct_pieces_are_whole_blocks_and_the_files_last_partial_block_is_read
     for _, n, at in c.spans:
         assert all(covered[at:at + n])
     assert any(not d for *_, d in pieces) == (size % A != 0 and size - size % A < 18001)
+
+
+@pytest.mark.parametrize("part", [A, 2 * A, 3 * A])
+@pytest.mark.parametrize("size", [18001, 20000, 5 * A, 6 * A + 100])
+def test_the_parts_of_a_chunk_cover_its_spans_once_in_whole_blocks(size, part):
+    """A chunk read in parts (a slot each): every byte of its spans in exactly one piece of one
+    part, each piece inside its part's slot, direct pieces whole blocks."""
+    (c,) = make_chunks([_target(100, 16), _target(5000, 4), _target(9000, 9001)], chunk_bytes=1 << 20,
+                       align=A)
+    covered = bytearray(c.buffer_bytes)
+    parts = ring_mod.parts_of([c], part)
+    assert sum(n for _, _, n in parts) == c.buffer_bytes and len(parts) == -(-c.buffer_bytes // part)
+    for _, lo, n in parts:
+        for off, m, at, direct in ring_mod._pieces(c, size, (lo, lo + n)):
+            assert 0 <= at and at + m <= n
+            if direct:
+                assert off % A == m % A == at % A == 0 and off + m <= size
+            for i in range(lo + at, lo + at + m):
+                assert not covered[i], "two pieces write one byte"
+                covered[i] = 1
+    for _, n, at in c.spans:
+        assert all(covered[at:at + n])
 
 
 def _reload_and_compare(ckpts, tmp_path, kind, spec, device):

@@ -13,6 +13,7 @@ import pytest
 
 import fp8_reload as fr
 import fp8_reload.reload.backup as bk
+import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.stream as stream_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as tx
@@ -37,7 +38,7 @@ def gpu_path(monkeypatch):
     monkeypatch.setattr(bk, "on_cuda", lambda model: True)
     monkeypatch.setattr(to_device, "REGISTER", "never")
     ring_for = to_device.ring_for
-    monkeypatch.setattr(to_device, "ring_for", lambda model, n, pin: ring_for(model, n, False))
+    monkeypatch.setattr(to_device, "ring_for", lambda model, n, pin, *a: ring_for(model, n, False, *a))
     reserve = to_device.DeviceSlots.reserve
     monkeypatch.setattr(to_device.DeviceSlots, "reserve", lambda self, n, device: reserve(self, n, "cpu"))
     made = []
@@ -73,11 +74,16 @@ def _kinds(model, path, flt):
 SPECS = [None, {1: [0, 3], 2: [5, 7]}, {2: [7]}]
 
 
+@pytest.mark.parametrize("parts", [0, 4096], ids=["chunks-whole", "in-parts"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize("spec", SPECS)
 @pytest.mark.parametrize("backup", ["host", "device"])
-def test_the_gpu_path_equals_a_fresh_load(ckpts, gpu_path, tmp_path, kind, spec, backup):
+def test_the_gpu_path_equals_a_fresh_load(ckpts, gpu_path, tmp_path, monkeypatch, kind, spec, backup, parts):
+    """`parts`: chunks of 16 KiB read and copied in parts of 4 KiB (the ring's slots)."""
     _cpu_tensors_reach_triton(kind)
+    if parts:
+        monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4 * parts)
+        monkeypatch.setattr(chunks_mod, "PART_BYTES", parts)
     model = fr.load_model(ckpts[kind, 0])
     flt = None if spec is None else fr.generate_weight_name_filter(spec)
     if kind == "bf16":  # the expert weights go through the in-stream quantization
@@ -163,14 +169,21 @@ def test_a_fault_while_registering_shards_writes_nothing(ckpts, gpu_path, monkey
         assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts[kind, 1])), fr.snapshot(model))
 
 
+@pytest.mark.parametrize("readers", ["threads", "processes"])
 @pytest.mark.parametrize("kind", ["bf16", "fp8"])
 @pytest.mark.parametrize("spec", [None, {2: [7]}])
 def test_the_ring_queues_the_whole_backup_before_its_first_write(ckpts, gpu_path, monkeypatch, tmp_path, kind,
-                                                                 spec):
-    """A ring reload's first write waits for reads anyway: the backup is queued then, whole
-    (between later chunks its copies cost several times more host time), and every copy is
-    queued before any chunk lands."""
+                                                                 spec, readers):
+    """A ring reload's first write waits for reads anyway: with reader threads the backup is
+    queued then, whole (between later parts its copies cost several times more host time
+    there), every copy before any chunk lands. Reader processes share no GIL: the backup is
+    started by the first chunk's writes and queued as they ask, and the reload is the same."""
     _cpu_tensors_reach_triton(kind)
+    import fp8_reload.checkpoint.read_procs as read_procs
+
+    monkeypatch.setattr(read_procs, "READERS", readers)
+    if readers == "processes" and not read_procs.supported():
+        pytest.skip("no reader processes here")
     seen = []
     land = to_device._land
 
@@ -183,7 +196,11 @@ def test_the_ring_queues_the_whole_backup_before_its_first_write(ckpts, gpu_path
     model = fr.load_model(ckpts[kind, 0])
     flt = None if spec is None else fr.generate_weight_name_filter(spec)
     fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
-    assert seen and all(queued == total > 0 for queued, total in seen), seen
+    if readers == "threads":
+        assert seen and all(queued == total > 0 for queued, total in seen), seen
+    else:  # started by the first chunk's writes (on demand), none of it queued before
+        (saved,) = gpu_path
+        assert seen and seen[0][0] == 0 and saved.next == len(saved.todo) > 0, seen
     want = ckpts[kind, 1] if flt is None else mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1],
                                                               tmp_path / "mixed", flt)
     diffs = fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))

@@ -28,11 +28,13 @@ KINDS = ["fp8", "bf16"]
 SPEC = {1: [0, 3], 2: [5, 7]}
 
 
-@pytest.fixture
-def tiny_ring(monkeypatch):
+@pytest.fixture(params=["whole", "parts"])
+def tiny_ring(monkeypatch, request):
     """Chunks of at most 4 KiB (one unit may exceed it), read in 1 KiB pieces, through
-    a ring of 2 slots: hundreds of chunks, every slot refilled over and over."""
-    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    a ring of 2 slots: hundreds of chunks, every slot refilled over and over. "parts": on
+    a GPU, chunks of 16 KiB read and copied in parts of 4 KiB, a slot each."""
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096 if request.param == "whole" else 16384)
+    monkeypatch.setattr(chunks_mod, "PART_BYTES", 0 if request.param == "whole" else 4096)
     monkeypatch.setattr(chunks_mod, "PIECE_BYTES", 1024)
     monkeypatch.setattr(chunks_mod, "RING_SLOTS", 2)
 

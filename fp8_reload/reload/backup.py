@@ -141,8 +141,8 @@ class Backup:
 
     def queue_all(self) -> None:
         """Queue every copy now, the writes still waiting for their own piece only: while the
-        ring's first reads run, not between its chunks, where reader threads make each
-        queued copy cost several times more host time."""
+        ring's first reads run, not between its parts, where reader threads make each
+        queued copy cost several times more host time (reader processes: as asked)."""
         self._start_if_asked()
         self._queue(len(self.todo))
 

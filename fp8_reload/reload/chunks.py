@@ -6,7 +6,11 @@ one file) is read by several readers at once, `PIECE_BYTES` at most each, into a
 of a ring of `RING_SLOTS` buffers (`ring.stream_through_ring`).
 
 Tunables (environment, read at import): ``FP8_RELOAD_CHUNK_BYTES`` (default 64 MiB),
-``FP8_RELOAD_RING_SLOTS`` (4: the ring is 256 MiB of pinned memory on a GPU host),
+``FP8_RELOAD_RING_SLOTS`` (4), ``FP8_RELOAD_PART_BYTES`` (16 MiB; 0: a slot per chunk): a GPU
+reload's ring slots, a chunk read and copied to the device a part at a time (the ring is
+64 MiB of pinned memory; small enough to stay in the CPU's cache between the readers' writes
+and the copy's reads: a ring of 4 x 64 MiB slots moved the same bytes at 53% of the
+host-to-device limit beside a device-to-host copy, 4 x 16 MiB at 88%, `gpu/ring_probe.py`),
 ``FP8_RELOAD_READ_THREADS`` (`staging.READ_THREADS`), ``FP8_RELOAD_READERS``
 (`checkpoint.read_procs`), ``FP8_RELOAD_IO``: ``buffered`` (default) or ``direct``.
 
@@ -37,6 +41,7 @@ from .targets import Target
 
 CHUNK_BYTES = int(os.environ.get("FP8_RELOAD_CHUNK_BYTES", 64 << 20))
 RING_SLOTS = int(os.environ.get("FP8_RELOAD_RING_SLOTS", 4))
+PART_BYTES = int(os.environ.get("FP8_RELOAD_PART_BYTES", 16 << 20))
 READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
 if READ_IO not in ("buffered", "direct"):
     raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")

@@ -170,7 +170,8 @@ def _commit_host(model, prep: Prepared, streamed: list[Target], stats: dict) -> 
     if any(t.kind == "quant" for t in streamed):
         raise RuntimeError("bf16 experts are quantized in the stream only on a GPU")
 
-    def land(chunk: Chunk, buf: torch.Tensor) -> None:
+    def land(chunk: Chunk, buf: torch.Tensor, lo: int, last: bool) -> None:
+        assert lo == 0 and last  # (the ring's slots hold a chunk each)
         for t in chunk.targets:
             src = chunk.source(buf, t)
             if prep.check:

@@ -222,7 +222,8 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 
 
 def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables, keep: bool,
-          writable, checks, quant_checks, gather: bool = False, base: int = 0, piece: int | None = None):
+          writable, checks, quant_checks, gather: bool = False, base: int = 0, piece: int | None = None,
+          lo: int = 0, last: bool = True):
     """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
     one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
     at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
@@ -233,24 +234,29 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     (registered) file, and each span is copied from its file offset: the gaps between
     the spans of a filtered reload are not moved. A registered file's `piece` and `buf`'s
     offset in it (`base`) split the host-to-device copies where its registrations meet
-    (`_from_host`). Returns the event after which `buf` may be refilled."""
+    (`_from_host`). A chunk read in parts (`ring.parts_of`) comes a part at a time: `buf`
+    holds its buffer's bytes from `lo` on, and only its `last` part queues the writes.
+    Returns the event after which `buf` may be refilled."""
     place = torch.cuda.current_stream()
     h2d = side_stream(place.device, "h2d")
     i = k % 2
     dslot = slots.buffers[i][:chunk.extent]
-    if slots.free[i] is not None:
+    if lo == 0 and slots.free[i] is not None:
         h2d.wait_event(slots.free[i])
     if gather:
         for off, n, at in chunk.spans:
             _from_host(dslot[at:at + n], buf[off:off + n], h2d, off, piece)
-    else:
-        _from_host(dslot, buf[:chunk.extent], h2d, base, piece)
+    elif lo < chunk.extent:  # (an aligned chunk's buffer ends on a whole block past its extent)
+        end = min(chunk.extent, lo + buf.numel())
+        _from_host(dslot[lo:end], buf[:end - lo], h2d, base, piece)
     # waited on before `buf` is refilled (`ring.stream_through_ring`: by reader threads, or by
-    # this thread before it asks reader processes for the next chunk there): a blocking event
+    # this thread before it asks reader processes for the next part there): a blocking event
     # sleeps; a default one spins a core per waiter, which the readers still copying are short of
     landed = torch.cuda.Event(blocking=True)
     landed.record(h2d)
-    place.wait_event(landed)
+    if not last:
+        return landed
+    place.wait_event(landed)  # (the h2d stream runs in order: the chunk's earlier parts too)
     rows, others = [], []
     kernel = on_triton(dslot)  # (triton is an optional extra: without it, a copy each)
     for t in chunk.targets:
@@ -283,8 +289,9 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     values (one read-back). `writable(module, slots)` makes the writes stream wait until
     those slots of `module` (all of it, for no slots) may be overwritten (their backup is
     taken). `backup_ahead()`, if given, queues the whole backup: called while the ring's
-    first reads run. `registered`: the files read from registered memory
-    (`registered_files`, called before the weights lock); the rest go through the ring."""
+    first reads run, where reader threads read (`ring.stream_through_ring`). `registered`:
+    the files read from registered memory (`registered_files`, called before the weights
+    lock); the rest go through the ring."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
@@ -323,12 +330,17 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
                         _land(chunk, reg.view[start:end], k, *landing, base=start, piece=reg.piece)
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
             if rest:
-                ring = ring_for(model, max(c.buffer_bytes for c in rest), pin=True)
-                turn = itertools.count(len(direct))  # which device buffer: the two alternate
+                ring = ring_for(model, max(c.buffer_bytes for c in rest), True, _chunks.PART_BYTES)
+                turn = itertools.count(len(direct))  # which device buffer: the two alternate, by chunk
+                now = [0]
+
+                def land(chunk, buf, lo, last):
+                    if lo == 0:
+                        now[0] = next(turn)
+                    return _land(chunk, buf, now[0], *landing, lo=lo, last=last)
+
                 with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
-                    stream_through_ring(ckpt, rest, ring,
-                                        lambda chunk, buf: _land(chunk, buf, next(turn), *landing), stats,
-                                        reading=backup_ahead)
+                    stream_through_ring(ckpt, rest, ring, land, stats, reading=backup_ahead)
             if check and checks:  # the same views every first reload: their table is kept
                 kept = holder(model, "value_tables", KeptTables)
                 flags.append(nonfinite_flags([v for _, v in checks], kept))
