@@ -83,7 +83,7 @@ def test_a_bad_value_in_the_same_layout_is_caught_and_rolled_back(ckpts, tmp_pat
 
 
 def test_another_layout_is_planned_again(ckpts, tmp_path, tiny_cfg):
-    """Shards cut differently (other files, other offsets): nothing of the old plan is kept."""
+    """Shards cut differently (another index, other offsets): nothing of the old plan is kept."""
     path = copy_checkpoint(ckpts["fp8", 0], tmp_path / "c")
     model = fr.load_model(path)
     fr.update_weights_from_disk(model, path)
@@ -92,23 +92,48 @@ def test_another_layout_is_planned_again(ckpts, tmp_path, tiny_cfg):
     shutil.rmtree(path)
     shutil.copytree(other, path)
     new = plan_module.open_checkpoint(model, path)
-    assert not new.same_layout(old) and new.plans is not old.plans
+    assert not new.same_index(old) and new.plans is not old.plans
     fr.update_weights_from_disk(model, path)
     assert fr.compare_states(fr.snapshot(fr.load_model(other)), fr.snapshot(model)) == []
 
 
-def test_one_header_changed_is_another_layout(ckpts, tmp_path):
+def test_one_header_changed_replans_the_full_reload(ckpts, tmp_path, monkeypatch):
+    """The same index, one shard written anew with other metadata (another header, other
+    offsets): the names are kept, where they land is worked out again."""
     path = copy_checkpoint(ckpts["fp8", 0], tmp_path / "c")
     model = fr.load_model(path)
     fr.update_weights_from_disk(model, path)
     old = plan_module.open_checkpoint(model, path)
-    # same tensors and values, the metadata another: another header, other offsets
     from safetensors.torch import load_file, save_file
 
     fname = old.weight_map[EXPERT]
     tensors = load_file(str(path / fname))
     save_file(tensors, str(path / fname), metadata={"format": "pt", "note": "rewritten"})
     new = plan_module.open_checkpoint(model, path)
-    assert not new.same_layout(old) and new.plans is not old.plans
+    assert new.same_index(old) and not new.same_headers(old.parsed_headers())
+    planned = []
+    real = plan_module.plan
+    monkeypatch.setattr(plan_module, "plan", lambda *a, **k: planned.append(1) or real(*a, **k))
     fr.update_weights_from_disk(model, path)
+    assert planned
     assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []
+
+
+def test_a_filtered_reload_of_touched_files_reads_only_its_shards_headers(ckpts, tmp_path, tiny_cfg,
+                                                                        monkeypatch):
+    """An EPLB step after the files were touched opens the shards holding its experts only:
+    the headers of the others are compared by the next full reload, if one comes."""
+    import fp8_reload.checkpoint.reader as reader
+
+    path = fr.write_checkpoint(tmp_path / "c", tiny_cfg, seed=0, min_shards=7)
+    model = fr.load_model(path)
+    fr.update_weights_from_disk(model, path)
+    read = []
+    real = reader.load_shard_header
+    monkeypatch.setattr(reader, "load_shard_header", lambda f, name=None: read.append(name) or real(f, name))
+    io_paths.touch(io_paths.shard_files(path))
+    spec = {1: [3]}
+    fr.update_weights_from_disk(model, path, fr.generate_weight_name_filter(spec))
+    ckpt = plan_module.open_checkpoint(model, path)
+    wanted = {ckpt.weight_map[n] for n in ckpt.names if fr.generate_weight_name_filter(spec)(n)}
+    assert set(read) == wanted and len(wanted) < len(ckpt.shard_files)

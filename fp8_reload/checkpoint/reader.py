@@ -135,18 +135,25 @@ class Checkpoint:
             return False
         return True
 
-    def same_layout(self, other: Checkpoint) -> bool:
-        """Whether `other`, an earlier parse of this directory, was made from the same
-        config.json and index bytes, and its shard headers parse here to the very same
-        `TensorInfo`s (`header.parse_shard_header` keeps them by name, size and bytes): then
-        what was planned from `other` holds for this parse. Values are not compared."""
+    def same_index(self, other: Checkpoint) -> bool:
+        """Whether `other`, an earlier parse of this directory, was parsed from the same
+        config.json and index bytes: the same names in the same files, in the same order."""
         def raw(sources):
             return {name: None if src is None else src[0] for name, src in sources.items()}
 
-        if raw(self.sources) != raw(other.sources):
-            return False
+        return raw(self.sources) == raw(other.sources) and \
+            list(self.weight_map.items()) == list(other.weight_map.items())
+
+    def parsed_headers(self) -> dict[str, dict[str, TensorInfo]]:
+        """{shard: its `TensorInfo`s} of every shard parsed so far (`same_headers`)."""
+        return {fname: h.tensors for fname, h in self._headers.items()}
+
+    def same_headers(self, parsed: dict[str, dict[str, TensorInfo]]) -> bool:
+        """Whether each shard of `parsed` (`parsed_headers` of this or an earlier parse)
+        parses here to the very same `TensorInfo`s (`header.parse_shard_header` keeps them
+        by name, size and header bytes): then what was planned from those holds here."""
         try:
-            return all(self._header(f) is h.tensors for f, h in list(other._headers.items()))
+            return all(self._header(f) is tensors for f, tensors in parsed.items())
         except CheckpointError:  # (a shard gone or broken: the plan that follows says what)
             return False
 

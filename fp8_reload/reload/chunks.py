@@ -164,7 +164,7 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
             pass  # advice only: the reads themselves report real errors
 
 
-SCALAR_GAP = 64 << 10  # scales closer than this are read in one call (safetensors keeps them together)
+SCALAR_GAP = 4 << 10  # bytes between scales one read may span (safetensors keeps them together)
 
 
 def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[float]:
@@ -177,14 +177,16 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
     fresh: dict[str, float] = {}
     todo = sorted((t for t in targets if t.info.name not in known),
                   key=lambda t: (t.info.file, t.info.offset))
-    runs: dict[str, list[list]] = {}  # file -> [[start, end, targets]]: one read each
+    runs: dict[str, list[list]] = {}  # file -> [[start, end, targets, gap bytes]]: one read each
     for t in todo:
         lo, hi, its = t.info.offset, t.info.offset + t.info.nbytes, runs.setdefault(t.info.file, [])
-        if its and lo - its[-1][1] <= SCALAR_GAP:
-            its[-1][1] = max(its[-1][1], hi)
+        gap = lo - its[-1][1] if its else -1
+        if gap >= 0 and its[-1][3] + gap <= SCALAR_GAP:  # (a run reads 4 KiB it needs not at most)
+            its[-1][1] = hi
             its[-1][2].append(t)
+            its[-1][3] += gap
         else:
-            its.append([lo, hi, [t]])
+            its.append([lo, hi, [t], 0])
     for fname, its in runs.items():
         path = ckpt.path / fname
         # kept only from a shard settled when parsed: a fresh one rewritten in place
@@ -192,7 +194,7 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
         into = known if ckpt.settled(fname) else fresh
         handle, _ = ckpt.open_shard(fname)
         with handle:
-            for lo, hi, inside in its:
+            for lo, hi, inside, _ in its:
                 raw = read_span(handle, path, lo, hi - lo, what=f"scales at byte {lo}").numpy().tobytes()
                 for t in inside:
                     (into[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - lo)

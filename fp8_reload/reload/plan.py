@@ -47,10 +47,11 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
     what hangs on them: checked values, the full-reload plan), so that alternating
     between two (RL weight sync's two buffers) keeps both.
 
-    Files with new stamps but the same layout (touched, or new values written in the
-    same places, as RL weight sync does) are parsed anew, values unchecked, scales
-    unread, but keep the plans (`Checkpoint.same_layout`): planning a whole model again
-    cost more than its parse."""
+    Files with new stamps are parsed anew (values unchecked, scales unread); with the same
+    config.json and index (`Checkpoint.same_index`: touched, or new values written in the
+    same places, as RL weight sync does) they keep the plans, and a full reload its kept
+    plan while every shard header is the same too (`plan_reload`): planning a whole model
+    again cost more than its parse."""
     key = _key(path)
     cache = model.__dict__.setdefault("_checkpoint_cache", {})
     cached = cache.pop(key, None)
@@ -58,7 +59,7 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
         cache[key] = cached  # most recent last
         return cached[1]
     ckpt = Checkpoint(path)
-    if cached is not None and cached[1].plans and ckpt.same_layout(cached[1]):
+    if cached is not None and cached[1].plans and ckpt.same_index(cached[1]):
         ckpt.plans = cached[1].plans  # (`Planned`: names and their index only)
     return remember_checkpoint(model, ckpt, keep)
 
@@ -185,17 +186,19 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
 def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
                 quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
     """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
-    engine. A full reload's plan depends only on the model and the parsed checkpoint: it
-    is kept whole while its modules are unchanged (`TargetCache`); a filtered one reuses
-    the targets of tensors planned before."""
+    engine. A full reload's plan depends only on the model and the parsed headers: it is
+    kept whole while its modules are unchanged (`TargetCache`) and every header parses to
+    the same `TensorInfo`s (a parse with new stamps whose headers did not change too,
+    `open_checkpoint`); a filtered one reuses the targets of tensors planned before."""
     done, cache = planned(model, ckpt), target_cache(model)
     kept = cache.full.get(done) if weight_name_filter is None else None
-    if kept is not None and kept[2] == cache.version and cache.unchanged(model):
+    if (kept is not None and kept[2] == cache.version and cache.unchanged(model)
+            and ckpt.same_headers(kept[3])):
         return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
-        cache.full[done] = (names, targets, cache.version)
+        cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers())
     return names, targets
 
 

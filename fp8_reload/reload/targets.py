@@ -95,7 +95,8 @@ class TargetCache:
         # bumped whenever a module's targets are worked out anew: a plan kept whole (a full
         # reload's) holds targets of the state before, even once `unchanged` holds again
         self.version = 0
-        # Planned -> (names, targets, version) of a full streaming reload (reload/plan.py)
+        # Planned -> (names, targets, version, the headers they came from) of a full
+        # streaming reload (reload/plan.py)
         self.full: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.derived: dict[int, tuple[list, dict]] = {}  # id(names) -> (names, derived_of)
 
