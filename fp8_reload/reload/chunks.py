@@ -7,7 +7,8 @@ of a ring of `RING_SLOTS` buffers (`ring.stream_through_ring`).
 
 Tunables (environment, read at import): ``FP8_RELOAD_CHUNK_BYTES`` (default 64 MiB),
 ``FP8_RELOAD_RING_SLOTS`` (4), ``FP8_RELOAD_PART_BYTES`` (16 MiB; 0: a slot per chunk): a GPU
-reload's ring slots, a chunk read and copied to the device a part at a time (the ring is
+reload's ring slots for an FP8 checkpoint (bf16 chunks, quantized in the stream, land whole:
+in parts they were slower), a chunk read and copied to the device a part at a time (the ring is
 64 MiB of pinned memory; small enough to stay in the CPU's cache between the readers' writes
 and the copy's reads: a ring of 4 x 64 MiB slots moved the same bytes at 53% of the
 host-to-device limit beside a device-to-host copy, 4 x 16 MiB at 88%, `gpu/ring_probe.py`),
