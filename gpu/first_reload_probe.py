@@ -19,6 +19,7 @@ import torch
 import fp8_reload as fr
 import fp8_reload.checkpoint.registered as registered_mod
 import fp8_reload.reload.to_device as to_device
+from fp8_reload.checkpoint import ensure_checkpoint
 from fp8_reload.testing import io_paths
 
 
@@ -43,10 +44,8 @@ def main() -> None:
     ap.add_argument("--dir", default="/tmp/ckpt_io")
     ap.add_argument("--policies", default="never,auto")
     args = ap.parse_args()
-    path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
-    if not (path / "config.json").exists():
-        cfg = fr.MoEConfig.preset("v2-lite", num_layers=args.layers)
-        fr.write_checkpoint(path, cfg, kind=args.kind, fill="fast", progress=False)
+    path = ensure_checkpoint(Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}", "v2-lite", args.layers,
+                             args.kind, fill="fast")
     files = io_paths.shard_files(path)
     model = fr.load_model(path, device="cuda")
     fr.release_staging(model)

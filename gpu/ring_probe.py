@@ -27,6 +27,7 @@ import fp8_reload as fr
 import fp8_reload.reload.chunks as ch
 import fp8_reload.reload.ring as ring_mod
 import fp8_reload.reload.to_device as to_device
+from fp8_reload.checkpoint import ensure_checkpoint
 from fp8_reload.testing import io_paths
 
 MiB = 1 << 20
@@ -278,10 +279,8 @@ def main() -> None:
                          "landing the chunks); then the ring's part size, slots, chunk size")
     ap.add_argument("--rounds", type=int, default=10)
     args = ap.parse_args()
-    path = Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}"
-    if not (path / "config.json").exists():
-        cfg = fr.MoEConfig.preset("v2-lite", num_layers=args.layers)
-        fr.write_checkpoint(path, cfg, kind=args.kind, fill="fast", progress=False)
+    path = ensure_checkpoint(Path(args.dir) / f"v2-lite-{args.layers}-{args.kind}", "v2-lite", args.layers,
+                             args.kind, fill="fast")
     files = io_paths.shard_files(path)
     nbytes = io_paths.total_bytes(files)
     gb = nbytes / 1e9

@@ -220,8 +220,10 @@ def _progress(total: int, desc: str, show: bool):
     return tqdm(total=total, desc=desc, unit="B", unit_scale=True, disable=not show)
 
 
-def ensure_checkpoint(path, preset: str, num_layers: int | None, kind: str, seed: int = 0) -> Path:
-    """Write the synthetic checkpoint at `path` unless it is already there.
+def ensure_checkpoint(path, preset: str, num_layers: int | None, kind: str, seed: int = 0,
+                      fill: str = "seeded") -> Path:
+    """Write the synthetic checkpoint at `path` unless it is already there (`fill` as
+    `write_checkpoint`'s: the GPU probes' large ones are "fast").
 
     Written aside and renamed into place, so concurrent callers (ranks, benchmark
     processes) never see half a checkpoint; the loser of a race discards its copy.
@@ -233,7 +235,7 @@ def ensure_checkpoint(path, preset: str, num_layers: int | None, kind: str, seed
     cfg = MoEConfig.preset(preset, **overrides)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=path.name + ".tmp-", dir=path.parent))
-    write_checkpoint(tmp, cfg, seed=seed, kind=kind)
+    write_checkpoint(tmp, cfg, seed=seed, kind=kind, fill=fill)
     try:
         tmp.rename(path)
     except OSError:  # another process won the race
