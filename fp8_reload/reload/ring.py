@@ -148,7 +148,7 @@ def _open_direct(ckpt: Checkpoint, chunks: list[ch.Chunk], ring: Ring, handles: 
 _REFUSED: set = set()
 
 
-def _piece_plan(ckpt: Checkpoint, chunk: ch.Chunk, handles: dict, stats: dict, part: tuple[int, int]) -> list:
+def _piece_plan(ckpt: Checkpoint, chunk: ch.Chunk, handles: dict, stats: dict, part: tuple | None) -> list:
     """(key in `handles`, file offset, bytes, offset in the slot) of each piece of `chunk`'s
     `part` (`_pieces`)."""
     out = []
