@@ -41,6 +41,13 @@ def device(request) -> str:
     return request.param
 
 
+# A shell that starts pytest as a background job without job control (`bash .ci/run &`)
+# hands it SIGINT ignored, and every process it starts inherits that: the Ctrl-C tests
+# (test_cli, test_reliability) would then send signals nobody receives. The session takes
+# Python's usual handler, as a terminal's pytest has.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 # Without CUDA, Triton kernels run only in Triton's interpreter, which must be
 # chosen before anything imports triton (tests/test_kernels.py relies on it).
 if not torch.cuda.is_available():
