@@ -288,6 +288,36 @@ def test_chunks_are_one_file_each_merge_adjacent_tensors_and_never_split_an_expe
         [t.info.name for t in targets if t.kind in ("loader", "quant")]
 
 
+@pytest.mark.parametrize("gap", [0, 4, 100, 1 << 20])
+def test_near_runs_take_in_at_most_gap_bytes_no_target_holds(gap):
+    """What one read of scales (or one advice) spans: every target once, in file order, a
+    run never taking in more than `gap` bytes between its targets (in all, not per gap)."""
+    from fp8_reload.checkpoint.header import TensorInfo
+    from fp8_reload.reload.targets import Target
+
+    g = torch.Generator().manual_seed(gap)
+    targets, at = [], {"a": 0, "b": 0}
+    for k in range(200):
+        f = "ab"[k % 2]
+        at[f] += int(torch.randint(0, 60, (1,), generator=g))  # gaps of 0-59 bytes
+        targets.append(Target(TensorInfo(f"t{k}", f, torch.float32, (), at[f], 4), "scalar"))
+        at[f] += 4
+    runs = chunks_mod.near_runs(targets[::-1], gap)  # (any order in)
+    assert sorted(runs) == ["a", "b"]
+    seen = []
+    for f, its in runs.items():
+        for lo, hi, inside in its:
+            assert all(t.info.file == f for t in inside)
+            assert [t.info.offset for t in inside] == sorted(t.info.offset for t in inside)
+            assert lo == inside[0].info.offset and hi == inside[-1].info.offset + 4
+            assert hi - lo - 4 * len(inside) <= gap
+            seen += inside
+        assert all(b[0] > a[1] for a, b in zip(its, its[1:]))
+    assert sorted(t.info.name for t in seen) == sorted(t.info.name for t in targets)
+    if gap >= 60 * 200:
+        assert [len(its) for its in runs.values()] == [1, 1]
+
+
 def test_chunk_spans_skip_tensors_not_selected():
     from fp8_reload.checkpoint.header import TensorInfo
     from fp8_reload.reload.targets import Target

@@ -132,7 +132,24 @@ def make_chunks(targets: list[Target], chunk_bytes: int | None = None,
     return chunks
 
 
-ADVICE_GAP = 1 << 20  # ranges closer than this are advised as one
+ADVICE_GAP = 1 << 20  # bytes between ranges one advice may span
+SCALAR_GAP = 4 << 10  # bytes between scales one read may span (safetensors keeps them together)
+
+
+def near_runs(targets: list[Target], gap: int) -> dict[str, list[list]]:
+    """{file: [[start, end, targets]]}: `targets` in file order, in runs that take in at
+    most `gap` bytes no target of theirs holds (one read, or one advice, each)."""
+    out: dict[str, list[list]] = {}
+    for t in sorted(targets, key=lambda t: (t.info.file, t.info.offset)):
+        lo, hi, runs = t.info.offset, t.info.offset + t.info.nbytes, out.setdefault(t.info.file, [])
+        between = lo - runs[-1][1] if runs else -1
+        if between >= 0 and runs[-1][3] + between <= gap:
+            runs[-1][1] = hi
+            runs[-1][2].append(t)
+            runs[-1][3] += between
+        else:
+            runs.append([lo, hi, [t], 0])
+    return {f: [r[:3] for r in runs] for f, runs in out.items()}
 
 
 def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
@@ -144,16 +161,8 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
     reads (`READ_IO`) take no advice: it would fill the page cache they keep clear."""
     if not hasattr(os, "posix_fadvise") or READ_IO == "direct":
         return
-    ranges: dict[str, list[list[int]]] = {}
-    for t in sorted(targets, key=lambda t: (t.info.file, t.info.offset)):
-        runs = ranges.setdefault(t.info.file, [])
-        lo, hi = t.info.offset, t.info.offset + t.info.nbytes
-        if runs and lo - runs[-1][1] <= ADVICE_GAP:
-            runs[-1][1] = max(runs[-1][1], hi)
-        else:
-            runs.append([lo, hi])
-    for fname, runs in ranges.items():
-        todo = [(lo, hi) for lo, hi in runs if (fname, lo, hi) not in ckpt.advised]
+    for fname, runs in near_runs(targets, ADVICE_GAP).items():
+        todo = [(lo, hi) for lo, hi, _ in runs if (fname, lo, hi) not in ckpt.advised]
         if not todo:
             continue
         try:
@@ -165,9 +174,6 @@ def advise_will_need(ckpt: Checkpoint, targets: list[Target]) -> None:
             pass  # advice only: the reads themselves report real errors
 
 
-SCALAR_GAP = 4 << 10  # bytes between scales one read may span (safetensors keeps them together)
-
-
 def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[float]:
     """The values of the 0-dim float32 targets, one positional read per run of near
     ones; with `check`, each must be finite and positive. Values are kept with the parsed
@@ -176,26 +182,15 @@ def read_scalars(ckpt: Checkpoint, targets: list[Target], check: bool) -> list[f
     again. From a shard still fresh then they are read each time, as its weights are."""
     known = ckpt.scalars
     fresh: dict[str, float] = {}
-    todo = sorted((t for t in targets if t.info.name not in known),
-                  key=lambda t: (t.info.file, t.info.offset))
-    runs: dict[str, list[list]] = {}  # file -> [[start, end, targets, gap bytes]]: one read each
-    for t in todo:
-        lo, hi, its = t.info.offset, t.info.offset + t.info.nbytes, runs.setdefault(t.info.file, [])
-        gap = lo - its[-1][1] if its else -1
-        if gap >= 0 and its[-1][3] + gap <= SCALAR_GAP:  # (a run reads 4 KiB it needs not at most)
-            its[-1][1] = hi
-            its[-1][2].append(t)
-            its[-1][3] += gap
-        else:
-            its.append([lo, hi, [t], 0])
-    for fname, its in runs.items():
+    todo = [t for t in targets if t.info.name not in known]
+    for fname, its in near_runs(todo, SCALAR_GAP).items():
         path = ckpt.path / fname
         # kept only from a shard settled when parsed: a fresh one rewritten in place
         # within its timestamp tick keeps its stamp, and its new scales must be read
         into = known if ckpt.settled(fname) else fresh
         handle, _ = ckpt.open_shard(fname)
         with handle:
-            for lo, hi, inside, _ in its:
+            for lo, hi, inside in its:
                 raw = read_span(handle, path, lo, hi - lo, what=f"scales at byte {lo}").numpy().tobytes()
                 for t in inside:
                     (into[t.info.name],) = struct.unpack_from("<f", raw, t.info.offset - lo)
