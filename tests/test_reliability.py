@@ -306,18 +306,18 @@ def test_a_commit_failing_before_its_first_write_rolls_back(ckpts, monkeypatch):
         raise RuntimeError("injected before the first write")
 
     monkeypatch.setattr(backup_mod.Backup, "start", start)
-    monkeypatch.setattr(to_device, "_land", land)
+    monkeypatch.setattr(to_device, "_write_out", land)
     with pytest.raises(fr.CommitError, match="injected before the first write"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert len(started) <= 1 and unchanged(model, before) == []
-    monkeypatch.setattr(to_device, "_land", _REAL_LAND)
+    monkeypatch.setattr(to_device, "_write_out", _REAL_WRITE_OUT)
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert 1 <= len(started) <= 2
     fresh = fr.load_model(ckpts["fp8", 1], device="cuda")
     assert fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
 
 
-_REAL_LAND = to_device._land
+_REAL_WRITE_OUT = to_device._write_out
 
 
 def _expected_after(ckpts, kind, spec, tmp_path, device="cpu"):
@@ -363,7 +363,7 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
         # on a GPU a chunk's tensors are written together (one scatter): fault the landing
         # of the second of many small chunks, the first one written
         if attr == "offset_of":
-            owner, attr, at = to_device, "_land", 2
+            owner, attr, at = to_device, "_write_out", 2
         monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model = fr.load_model(ckpts[kind, 0], device=device)
     x = tokens(tiny_cfg).to(device)

@@ -459,8 +459,8 @@ def test_a_failure_half_way_through_the_writes_restores_after_the_queued_ones(ck
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model = fr.load_model(ckpts["fp8", 0], device="cuda")
     before = fr.snapshot(model)
-    monkeypatch.setattr(to_device, "_land", raising_on_call(
-        to_device._land, 6, RuntimeError("injected: the device went away")))
+    monkeypatch.setattr(to_device, "_write_out", raising_on_call(
+        to_device._write_out, 6, RuntimeError("injected: the device went away")))
     with pytest.raises(fr.CommitError, match="injected"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
@@ -513,3 +513,26 @@ def test_a_filtered_reload_keeps_no_copy_table():
     assert first.rows == 1 and tables.tables == {}
     kept = tables.get(0, copies, "cpu")
     assert tables.get(0, copies, "cpu") is kept and len(tables.tables) == 1
+
+
+def test_a_kept_plan_keeps_its_chunks_while_their_size_is_the_same(ckpts, monkeypatch):
+    """A repeated full reload lands the chunks the one before laid out (`prepare`'s memo):
+    laid out once per kept plan and chunk size, and the reloads land as a fresh load."""
+    import fp8_reload.reload.stream as stream_mod
+
+    laid = []
+
+    def counting(*a, **k):
+        laid.append(a[0])
+        return make_chunks(*a, **k)
+
+    monkeypatch.setattr(stream_mod, "make_chunks", counting)
+    model = fr.load_model(ckpts["fp8", 0])
+    for _ in range(3):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert len(laid) == 1
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert len(laid) == 3  # (another checkpoint's plan, then the small chunks of the kept one)
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model)) == []

@@ -280,7 +280,7 @@ class Checkpoint:
         return list(self.weight_map)
 
     def read(self, names: Iterable[str], stats: dict | None = None,
-             into=None) -> Iterator[tuple[str, torch.Tensor]]:
+             into=None, threads: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
         """Yield (name, CPU tensor) for `names`, opening only the shards that hold them,
         in file and offset order. `stats` (if given) accumulates bytes_read and files_opened.
 
@@ -289,8 +289,8 @@ class Checkpoint:
         retained per read; safetensors' own `get_tensor` keeps ~60 bytes per call,
         measured with 0.8.0). By default into fresh host memory, one tensor at a time;
         with `into` (a `staging.PinnedArena`) all of them are read up front into that
-        reused (pinned) buffer by `staging.READ_THREADS` threads, so that each later
-        host-to-device copy is a single DMA.
+        reused (pinned) buffer by `staging.READ_THREADS` threads (at most `threads` reads at
+        a time), so that each later host-to-device copy is a single DMA.
         """
         infos = [self.info(name) for name in names]
         infos.sort(key=lambda i: (i.file, i.offset))
@@ -301,7 +301,7 @@ class Checkpoint:
         stamps: dict[str, tuple] = {}  # of each opened shard, when opened
         try:
             if into is not None:
-                yield from self._read_parallel(infos, into, handles, stamps, stats)
+                yield from self._read_parallel(infos, into, handles, stamps, stats, threads or READ_THREADS)
                 return
             for info in infos:
                 fpath = self.path / info.file
@@ -336,10 +336,10 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{fpath}: changed while it was being read (written to "
                                          "during the load); its tensors are not used")
 
-    def _read_parallel(self, infos, arena, handles, stamps, stats):
-        """Read into the arena from `READ_THREADS` threads; yield each tensor, in
-        order, as soon as it (and all before it) has been read, so that a consumer
-        (the value check) works while later reads are still running."""
+    def _read_parallel(self, infos, arena, handles, stamps, stats, threads: int):
+        """Read into the arena, `threads` reads at a time; yield each tensor, in order, as
+        soon as it (and all before it) has been read, so that a consumer (the value check)
+        works while later reads are still running."""
         arena.reset(sum(aligned(i.nbytes) for i in infos))
         slots = [arena.take(i.nbytes) for i in infos]
         with trace.range("fp8_reload/shard_open"):
@@ -353,7 +353,7 @@ class Checkpoint:
             return _read_tensor(handles[info.file], self.path / info.file, info, out=slots[k])
 
         with trace.range("fp8_reload/tensor_read", payload=total):
-            if len(infos) <= 1 or READ_THREADS <= 1:
+            if len(infos) <= 1 or threads <= 1:
                 for k, info in enumerate(infos):
                     tensor = work(k)
                     stats["bytes_read"] += info.nbytes
@@ -364,10 +364,11 @@ class Checkpoint:
             futures = []
             try:
                 pool = reader_pool()
-                for k in range(len(infos)):  # (one by one: a failed submit leaves the others waited for)
-                    futures.append(pool.submit(work, k))
-                for info, future in zip(infos, futures):
-                    tensor = future.result()
+                for k, info in enumerate(infos):
+                    # (one by one: a failed submit leaves the others waited for)
+                    while len(futures) < min(len(infos), k + threads):
+                        futures.append(pool.submit(work, len(futures)))
+                    tensor = futures[k].result()
                     stats["bytes_read"] += info.nbytes
                     yield info.name, tensor
             finally:  # an error, or the consumer stopped: no read outlives the handles

@@ -63,7 +63,9 @@ class Backup:
         self.where = where
         self.modules: list[tuple[nn.Module, dict, dict, dict, dict]] = []
         # (tensor, [start, end) of its slots or None for all of it, the copy)
-        self.copies: list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]] = []
+        self.big: list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]] = []
+        # (small tensors of one dtype, their copies in one flat tensor): split on restore only
+        self.small: list[tuple[list[torch.Tensor], torch.Tensor]] = []
         # (module, tensor, its slots to copy or None for all, copied by slot: a FusedMoE's weights)
         self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None, bool]] = []
         self.nbytes = 0
@@ -114,7 +116,7 @@ class Backup:
         now, before the writes."""
         small, big = self._plan(by_piece=stream is not None)
         sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
-        sizes += [_piece(t, r).numel() * t.element_size() for _, t, r, _ in big]
+        sizes += [_piece_bytes(t, r) for _, t, r, _ in big]
         self.nbytes = sum(sizes)
         if arena is not None:
             arena.reset(sum(staging.aligned(n) for n in sizes))
@@ -127,11 +129,8 @@ class Backup:
             self.marks = set(self.due.values())
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for tensors in small.values():
-                flat = self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena, fresh=True)
-                at = 0
-                for t in tensors:
-                    self.copies.append((t, None, flat[at:at + t.numel()].view(t.shape)))
-                    at += t.numel()
+                self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena,
+                                                       fresh=True)))
             if stream is not None:
                 first = torch.cuda.Event()
                 first.record(stream)
@@ -159,7 +158,7 @@ class Backup:
             while self.next < len(self.todo) and (self.next <= upto or ahead < LOOKAHEAD):
                 _, tensor, run, _ = self.todo[self.next]
                 piece = _piece(tensor, run)
-                self.copies.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
+                self.big.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
                 if self.next > upto:
                     ahead += piece.numel() * piece.element_size()
                 if self.next in self.marks:
@@ -231,6 +230,15 @@ class Backup:
             return src.to("cpu", copy=not fresh)
         return src if fresh else src.clone()
 
+    @property
+    def copies(self) -> list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]]:
+        """Every copy as (tensor, [start, end) of its slots or None for all of it, the copy)."""
+        out = []
+        for tensors, flat in self.small:
+            for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+                out.append((t, None, piece.view(t.shape)))
+        return out + self.big
+
     def event_for(self, module: nn.Module, slot: int | None = None):
         """The event after which `module` (with `slot`: that expert slot of it) may be
         overwritten, its copies queued now if they were not yet; None when the copies
@@ -299,6 +307,12 @@ def _runs(slots: list[int]) -> list[tuple[int, int]]:
 
 def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
     return tensor if run is None else tensor[run[0]:run[1]]
+
+
+def _piece_bytes(tensor: torch.Tensor, run: tuple[int, int] | None) -> int:
+    """The bytes of `_piece(tensor, run)`, without making the view."""
+    n = tensor.numel() * tensor.element_size()
+    return n if run is None else n // tensor.shape[0] * (run[1] - run[0])
 
 
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",

@@ -49,7 +49,7 @@ from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
-from .chunks import Chunk, invalid_value, make_chunks
+from .chunks import Chunk, invalid_value
 from .ring import ring_for, stream_through_ring
 from .targets import Target
 
@@ -224,21 +224,27 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
 def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables, keep: bool,
           writable, checks, quant_checks, gather: bool = False, base: int = 0, piece: int | None = None,
           lo: int = 0, last: bool = True):
-    """Queue one chunk out of `buf` (pinned or registered host memory): the whole chunk in
-    one host-to-device copy into device buffer ``k % 2`` on the "h2d" stream (one DMA runs
-    at the link's speed; hundreds of tensor-sized ones from page-cache pages do not),
-    then, on the current stream (the writes), each tensor from there to its place at
-    memory speed: one launch for all (`copy_rows`), a copy for a strided destination
-    (or each, without Triton).
-    Only those writes wait for the modules' backups. `gather`: `buf` is the chunk's whole
-    (registered) file, and each span is copied from its file offset: the gaps between
-    the spans of a filtered reload are not moved. A registered file's `piece` and `buf`'s
-    offset in it (`base`) split the host-to-device copies where its registrations meet
-    (`_from_host`). A chunk read in parts (`ring.parts_of`) comes a part at a time: `buf`
-    holds its buffer's bytes from `lo` on, and only its `last` part queues the writes.
-    Returns the event after which `buf` may be refilled."""
-    place = torch.cuda.current_stream()
-    h2d = side_stream(place.device, "h2d")
+    """Queue one chunk out of `buf` (pinned or registered host memory): its host-to-device
+    copy into device buffer ``k % 2`` (`_to_slot`), then, with its `last` part, its writes
+    (`_write_out`). A chunk read in parts (`ring.parts_of`) comes a part at a time: `buf`
+    holds its buffer's bytes from `lo` on. Returns the event after which `buf` may be
+    refilled."""
+    landed = _to_slot(chunk, buf, k, slots, gather, base, piece, lo)
+    if last:
+        _write_out(chunk, k, landed, slots, tables, keep, writable, checks, quant_checks)
+    return landed
+
+
+def _to_slot(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, gather: bool = False, base: int = 0,
+             piece: int | None = None, lo: int = 0):
+    """The whole chunk (or its part from `lo`) in one host-to-device copy into device buffer
+    ``k % 2`` on the "h2d" stream (one DMA runs at the link's speed; hundreds of
+    tensor-sized ones from page-cache pages do not). `gather`: `buf` is the chunk's whole
+    (registered) file, and each span is copied from its file offset: the gaps between the
+    spans of a filtered reload are not moved. A registered file's `piece` and `buf`'s offset
+    in it (`base`) split the copies where its registrations meet (`_from_host`). Returns the
+    event after which the copy has landed (and `buf` may be refilled)."""
+    h2d = side_stream(torch.cuda.current_stream().device, "h2d")
     i = k % 2
     dslot = slots.buffers[i][:chunk.extent]
     if lo == 0 and slots.free[i] is not None:
@@ -254,8 +260,18 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
     # sleeps; a default one spins a core per waiter, which the readers still copying are short of
     landed = torch.cuda.Event(blocking=True)
     landed.record(h2d)
-    if not last:
-        return landed
+    return landed
+
+
+def _write_out(chunk: Chunk, k: int, landed, slots: DeviceSlots, tables: RowTables, keep: bool, writable,
+               checks, quant_checks) -> None:
+    """Chunk `k`'s tensors from device buffer ``k % 2`` to their places on the current stream
+    (the writes), once `landed` (its copy in) has run and the backup of what they overwrite
+    is taken: one launch for all (`copy_rows`), a copy for a strided destination (or each,
+    without Triton); bf16 experts quantized into their FP8 slots."""
+    place = torch.cuda.current_stream()
+    i = k % 2
+    dslot = slots.buffers[i][:chunk.extent]
     place.wait_event(landed)  # (the h2d stream runs in order: the chunk's earlier parts too)
     rows, others = [], []
     kernel = on_triton(dslot)  # (triton is an optional extra: without it, a copy each)
@@ -280,24 +296,22 @@ def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: R
         _quantize_chunk(chunk, dslot, quant_checks)
     slots.free[i] = torch.cuda.Event()
     slots.free[i].record(place)
-    return landed
 
 
-def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stats: dict, device,
+def commit_cuda(model, ckpt, chunks: list[Chunk], writable, check: bool, stats: dict, device,
                 keep_tables: bool = True, backup_ahead=None, registered: dict | None = None) -> None:
-    """Copy every streamed target into place on `device` (the model's), then check the
-    values (one read-back). `writable(module, slots)` makes the writes stream wait until
-    those slots of `module` (all of it, for no slots) may be overwritten (their backup is
-    taken). `backup_ahead()`, if given, queues the whole backup: called while the ring's
-    first reads run, where reader threads read (`ring.stream_through_ring`). `registered`:
-    the files read from registered memory (`registered_files`, called before the weights
-    lock); the rest go through the ring."""
+    """Copy every streamed target (in `chunks`, `chunks.make_chunks`) into place on `device`
+    (the model's), then check the values (one read-back). `writable(module, slots)` makes
+    the writes stream wait until those slots of `module` (all of it, for no slots) may be
+    overwritten (their backup is taken). `backup_ahead()`, if given, queues the whole
+    backup: called while the ring's first reads run, where reader threads read
+    (`ring.stream_through_ring`). `registered`: the files read from registered memory
+    (`registered_files`, called before the weights lock); the rest go through the ring."""
     stream = side_stream(device, "copy")
     stream.wait_stream(torch.cuda.current_stream(device))
     side_stream(device, "h2d").wait_stream(stream)
     checks: list[tuple[Target, torch.Tensor]] = []
     quant_checks: list | None = [] if check else None
-    chunks = make_chunks(streamed)
     registered = registered or {}
     direct, rest, windows = [], [], []
     for chunk in chunks:
@@ -322,13 +336,22 @@ def commit_cuda(model, ckpt, streamed: list[Target], writable, check: bool, stat
     try:
         with torch.cuda.stream(stream):
             with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, _, _ in direct)):
+                # each chunk's copy in is queued before the writes of the one before: the
+                # link has the next chunk to carry while the host queues those writes (and,
+                # at the first, starts the backup they wait for)
+                behind = None
                 for k, (chunk, start, end) in enumerate(direct):
                     reg = registered[chunk.file]
                     if start is None:
-                        _land(chunk, reg.view, k, *landing, gather=True, piece=reg.piece)
+                        landed = _to_slot(chunk, reg.view, k, slots, gather=True, piece=reg.piece)
                     else:
-                        _land(chunk, reg.view[start:end], k, *landing, base=start, piece=reg.piece)
+                        landed = _to_slot(chunk, reg.view[start:end], k, slots, base=start, piece=reg.piece)
                     stats["bytes_read"] = stats.get("bytes_read", 0) + chunk.nbytes
+                    if behind is not None:
+                        _write_out(*behind, *landing)
+                    behind = (chunk, k, landed)
+                if behind is not None:
+                    _write_out(*behind, *landing)
             if rest:
                 # bf16 chunks (quantized in the stream) land whole: in parts, a first reload of
                 # v2-lite:4 bf16 took a median 236.5 ms against 188.5 (fp8: 75.3 against 90.5)

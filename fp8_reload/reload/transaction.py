@@ -59,7 +59,7 @@ from .plan import (
     stage,
     target_cache,
 )
-from .stream import commit, prepare
+from .stream import commit, prepare, streamed_of
 from .targets import write_order
 from .to_device import bytes_by_file, registered_files, release_dropped
 
@@ -202,18 +202,20 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                                                  cuda and on_triton_device(model), mode.expand_units)
                 else:
                     names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
+                # what derives from a kept full plan is kept with it
+                memo = target_cache(model).derived_of(names) if streaming else {}
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
-                    into = staging.arena(model, "staging") if cuda else None
-                    prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None)
+                    into, registered = None, {}
                     if cuda:  # registering pins shards' pages: here, not under the weights lock
-                        prepared.registered = registered_files(model, ckpt, bytes_by_file(prepared.streamed))
+                        into = staging.arena(model, "staging")
+                        registered = registered_files(model, ckpt, bytes_by_file(streamed_of(targets)))
+                    prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None,
+                                       registered=registered, memo=memo)
                     report.staged_bytes = prepared.staged_bytes
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
                     report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
-            # what derives from a kept full plan is kept with it
-            memo = target_cache(model).derived_of(names) if streaming else {}
             with timer.phase("backup"):
                 if streaming and "order" not in memo:
                     memo["order"] = write_order(targets)
