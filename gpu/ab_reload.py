@@ -1,6 +1,6 @@
 """An A/B of two package trees on the reload figures of issue 13, rounds interleaved.
 
-    python3 gpu/ab_reload.py OLD_TREE [NEW_TREE=.] [--kinds fp8,bf16] [--rounds 4]
+    python3 gpu/ab_reload.py OLD_TREE [NEW_TREE=.] [--kinds fp8,bf16] [--rounds 4] [--figures first,...]
 
 Each round runs one process per tree (its `fp8_reload` first on `sys.path`), tree order
 alternating from round to round: a model loaded on the GPU, two reloads (the second
@@ -25,7 +25,10 @@ from pathlib import Path
 CHILD = "--child"
 
 
-def child(tree: str, path: str, reps: int) -> dict:
+FIGURES = ("repeated", "device backup", "filtered", "first")
+
+
+def child(tree: str, path: str, reps: int, figures: list[str]) -> dict:
     sys.path.insert(0, tree)
     import torch
 
@@ -52,13 +55,13 @@ def child(tree: str, path: str, reps: int) -> dict:
 
     for _ in range(2):
         fr.update_weights_from_disk(model, path)
-    out = {
-        "repeated": [wall(lambda: fr.update_weights_from_disk(model, path)) for _ in range(reps)],
-        "device backup": [wall(lambda: fr.update_weights_from_disk(model, path, backup="device"))
-                          for _ in range(reps)],
-        "filtered": [wall(lambda: fr.update_weights_from_disk(model, path, flt)) for _ in range(reps)],
-        "first": [wall(first) for _ in range(reps)],
+    ways = {
+        "repeated": lambda: fr.update_weights_from_disk(model, path),
+        "device backup": lambda: fr.update_weights_from_disk(model, path, backup="device"),
+        "filtered": lambda: fr.update_weights_from_disk(model, path, flt),
+        "first": first,
     }
+    out = {name: [wall(ways[name]) for _ in range(reps)] for name in figures}
     fresh = fr.load_model(path, device="cuda")
     out["bit for bit"] = fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
     return out
@@ -66,7 +69,7 @@ def child(tree: str, path: str, reps: int) -> dict:
 
 def main() -> None:
     if sys.argv[1:2] == [CHILD]:
-        print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]))))
+        print(json.dumps(child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5].split(","))))
         return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("old")
@@ -76,6 +79,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--dir", default="/tmp/ckpt_io")
+    ap.add_argument("--figures", default=",".join(FIGURES), help="comma list of: " + ", ".join(FIGURES))
     args = ap.parse_args()
     sys.path.insert(0, os.getcwd())
     import torch
@@ -102,7 +106,7 @@ def main() -> None:
         got: dict = {name: {} for name in trees}
         for r in range(args.rounds):
             for name in (list(trees) if r % 2 == 0 else list(trees)[::-1]):
-                cmd = [sys.executable, __file__, CHILD, trees[name], str(path), str(args.reps)]
+                cmd = [sys.executable, __file__, CHILD, trees[name], str(path), str(args.reps), args.figures]
                 res = subprocess.run(cmd, capture_output=True, text=True)
                 if res.returncode != 0:
                     print(res.stderr[-3000:], flush=True)
