@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import fp8_reload as fr
+import fp8_reload.reload.chunks as chunks_mod
 from fp8_reload.errors import ReloadError
 from fp8_reload.reload.filters import ExpertFilter
 from fp8_reload.reload.plan import open_checkpoint, plan, plan_reload
@@ -258,7 +259,8 @@ def test_what_a_kept_full_plan_derives_is_kept_with_it(ckpts):
     assert again.experts_reloaded == {layer: list(range(8)) for layer in again.experts_reloaded}
     cache = target_cache(model)
     (kept_names, derived), = cache.derived.values()
-    assert set(derived) == {"backup_slots", "order", "experts"}
+    chunks_key = ("chunks", chunks_mod.CHUNK_BYTES, chunks_mod.READ_IO)
+    assert set(derived) == {"backup_slots", "order", "experts", chunks_key}
     assert any(kept[0] is kept_names for kept in cache.full.values())
     for _, layer in model.moe_layers():
         layer.expert_slots = {e: [(e + 3) % 8] for e in range(8)}

@@ -6,16 +6,21 @@ outlives the commit."""
 
 from __future__ import annotations
 
+import signal
 import threading
+import time
 
+import numpy as np
 import pytest
 import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.stream as stream_mod
 import fp8_reload.reload.to_device as to_device
+import fp8_reload.reload.transaction as tx
 
 from .conftest import copy_checkpoint, rewrite_tensor
+from .test_review_s7 import gpu_path  # noqa: F401  (a fixture)
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 LINEAR = "model.layers.1.self_attn.q_proj.weight"  # a loader's tensor in a bf16 checkpoint
@@ -131,3 +136,96 @@ def test_a_loader_read_failing_beside_the_stream_rolls_back(ckpts, spied, monkey
         fr.update_weights_from_disk(model, ckpts["bf16", 1])
     assert len(spied) == 1 and _no_reader_left()
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+
+
+# ---- the GPU path emulated on CPU (`test_review_s7.gpu_path`), every streamed shard
+# "registered" (a host copy of the file stands in for the registered mapping) ----
+
+
+class _HostCopy:
+    def __init__(self, path):
+        self.view = torch.from_numpy(np.fromfile(path, dtype=np.uint8))
+        self.piece = None
+
+
+@pytest.fixture
+def registered(monkeypatch):
+    """`registered[0]`: whether the next reloads find every shard registered."""
+    on = [True]
+
+    def registered_files(model, ckpt, read):
+        return {f: _HostCopy(ckpt.path / f) for f in read} if on[0] else {}
+
+    monkeypatch.setattr(tx, "registered_files", registered_files)
+    monkeypatch.setattr(tx, "on_triton_device", lambda model: False)  # bf16 experts take loaders too
+    return on
+
+
+def test_ctrl_c_while_the_loaders_are_read_waits_for_their_reads(tmp_path, tiny_cfg, gpu_path, registered,  # noqa: F811
+                                                                 monkeypatch):
+    """Review (helper 36): a Ctrl-C landing while the commit waited for the loaders' thread
+    left it reading into the staging arena after the rollback; the next reload, staging its
+    own loaders' tensors there, loaded some of the interrupted checkpoint's bytes."""
+    import fp8_reload.checkpoint.reader as reader_mod
+
+    a, b, c = (fr.write_checkpoint(tmp_path / f"bf16-{s}", tiny_cfg, seed=s, kind="bf16") for s in range(3))
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    real = reader_mod._read_tensor
+    late: list[float] = []
+
+    def slow(handle, fpath, info, out=None):  # b's reads are slow: the interrupt lands among them
+        if str(fpath).startswith(str(b)):
+            time.sleep(0.05)
+            late.append(time.monotonic())
+        return real(handle, fpath, info, out=out)
+
+    monkeypatch.setattr(reader_mod, "_read_tensor", slow)
+    main, made, real_read = threading.main_thread().ident, [], stream_mod.LoaderRead
+
+    def interrupted(*a, **k):
+        made.append(real_read(*a, **k))
+        threading.Timer(0.15, signal.pthread_kill, (main, signal.SIGINT)).start()
+        return made[-1]
+
+    monkeypatch.setattr(stream_mod, "LoaderRead", interrupted)
+    model = fr.load_model(a)
+    before = fr.snapshot(model)
+    with pytest.raises(KeyboardInterrupt):
+        fr.update_weights_from_disk(model, b)
+    raised = time.monotonic()
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    assert made and made[0].done.is_set() and not any(t > raised for t in late)
+    monkeypatch.setattr(stream_mod, "LoaderRead", real_read)
+    registered[0] = False  # the next reload through the ring: its loaders staged in the same arena
+    fr.update_weights_from_disk(model, c)
+    assert fr.compare_states(fr.snapshot(fr.load_model(c)), fr.snapshot(model)) == []
+
+
+def test_loaders_read_beside_the_stream_report_what_they_read(ckpts, gpu_path, registered):  # noqa: F811
+    model = fr.load_model(ckpts["bf16", 0])
+    beside = fr.update_weights_from_disk(model, ckpts["bf16", 1])
+    registered[0] = False
+    first = fr.update_weights_from_disk(model, ckpts["bf16", 0])
+    # (every shard holds loader-bound tensors here; through the ring its readers open them too)
+    assert beside.files_opened == len(set(fr.Checkpoint(ckpts["bf16", 1]).weight_map.values()))
+    assert beside.bytes_read == first.bytes_read
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["bf16", 0])), fr.snapshot(model)) == []
+
+
+def test_a_bad_scale_neither_counts_a_read_nor_registers(ckpts, tmp_path, gpu_path, monkeypatch):  # noqa: F811
+    """Review (helper 36): registering came before the scales were read; two reloads failing
+    on a NaN scale counted two reads of every shard and asked to register them all."""
+    from fp8_reload.checkpoint.registered import RegisteredShards
+    from fp8_reload.checkpoint.staging import holder
+
+    counted = []
+    real = to_device.registered_files
+    monkeypatch.setattr(tx, "registered_files", lambda *a: counted.append(a) or real(*a))
+    path = copy_checkpoint(ckpts["fp8", 1], tmp_path / "bad")
+    scale = next(n for n in fr.Checkpoint(path).weight_map if n.endswith("experts.5.up_proj.weight_scale"))
+    rewrite_tensor(path, scale, lambda t: torch.full_like(t, float("nan")))
+    model = fr.load_model(ckpts["fp8", 0])
+    for _ in range(2):
+        with pytest.raises(fr.InvalidTensorError, match="scale"):
+            fr.update_weights_from_disk(model, path)
+    assert counted == [] and holder(model, "registered", RegisteredShards).reads == {}

@@ -301,7 +301,7 @@ class Checkpoint:
         stamps: dict[str, tuple] = {}  # of each opened shard, when opened
         try:
             if into is not None:
-                yield from self._read_parallel(infos, into, handles, stamps, stats, threads or READ_THREADS)
+                yield from self._read_parallel(infos, into, handles, stamps, stats, threads)
                 return
             for info in infos:
                 fpath = self.path / info.file
@@ -336,8 +336,9 @@ class Checkpoint:
             raise CorruptCheckpointError(f"{fpath}: changed while it was being read (written to "
                                          "during the load); its tensors are not used")
 
-    def _read_parallel(self, infos, arena, handles, stamps, stats, threads: int):
-        """Read into the arena, `threads` reads at a time; yield each tensor, in order, as
+    def _read_parallel(self, infos, arena, handles, stamps, stats, threads: int | None):
+        """Read into the arena from `READ_THREADS` threads (or `threads` reads at a time, each
+        started as the one `threads` before it is taken); yield each tensor, in order, as
         soon as it (and all before it) has been read, so that a consumer (the value check)
         works while later reads are still running."""
         arena.reset(sum(aligned(i.nbytes) for i in infos))
@@ -353,7 +354,8 @@ class Checkpoint:
             return _read_tensor(handles[info.file], self.path / info.file, info, out=slots[k])
 
         with trace.range("fp8_reload/tensor_read", payload=total):
-            if len(infos) <= 1 or threads <= 1:
+            window = len(infos) if threads is None else threads
+            if len(infos) <= 1 or READ_THREADS <= 1 or window <= 1:
                 for k, info in enumerate(infos):
                     tensor = work(k)
                     stats["bytes_read"] += info.nbytes
@@ -366,7 +368,7 @@ class Checkpoint:
                 pool = reader_pool()
                 for k, info in enumerate(infos):
                     # (one by one: a failed submit leaves the others waited for)
-                    while len(futures) < min(len(infos), k + threads):
+                    while len(futures) < min(len(infos), k + window):
                         futures.append(pool.submit(work, len(futures)))
                     tensor = futures[k].result()
                     stats["bytes_read"] += info.nbytes

@@ -11,9 +11,7 @@ trails the backup's device-to-host one by a piece, not by a layer.
 
 from __future__ import annotations
 
-import signal
-import threading
-from contextlib import contextmanager, nullcontext, suppress
+from contextlib import nullcontext, suppress
 
 import torch
 from torch import nn
@@ -25,6 +23,7 @@ from ..layers import FusedMoE
 from ..quant import index_copy_
 from . import chunks
 from .filters import modules_by_name
+from .interrupts import sigint_deferred
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # Tensors at most this big (scales, norms' small buffers) are backed up together, one
@@ -355,44 +354,6 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
     if start:
         backup.start()
     return backup
-
-
-@contextmanager
-def sigint_deferred():
-    """Hold Ctrl-C back while a backup is restored (main thread only), then hand it
-    to the handler that was installed before, as if it arrived just then.
-
-    Handing over means putting that handler back and raising SIGINT again, so it
-    does exactly what it would have done: an application's Python handler is
-    called (with SIGINT and the current frame), Python's default one raises
-    KeyboardInterrupt, SIG_DFL ends the process (after the restore, not in the
-    middle of it). Under SIG_IGN nothing can interrupt the restore and nothing is
-    installed. A handler not installed from Python (`signal.getsignal` returns
-    None) could not be put back once replaced: then nothing is installed and
-    nothing is deferred. What was there before is always what is there after.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    try:
-        old = signal.getsignal(signal.SIGINT)
-    except ValueError:  # signals are not available here
-        old = None
-    if old is None or old is signal.SIG_IGN:
-        yield
-        return
-    received = []
-    try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
-    except (ValueError, OSError):  # not the main interpreter
-        yield
-        return
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-        if received:
-            signal.raise_signal(signal.SIGINT)
 
 
 def roll_back(model, backup: Backup, fault: BaseException, ckpt, doing: str) -> None:

@@ -28,12 +28,14 @@ import torch
 
 from .. import trace
 from ..checkpoint.reader import Checkpoint
+from ..checkpoint.staging import aligned
 from ..checkpoint.values import invalid_tensor_error
 from ..device import model_device, side_stream
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from . import chunks as _chunks
 from .chunks import Chunk, advise_will_need, make_chunks, read_scalars
+from .interrupts import sigint_deferred
 from .ring import ring_for, stream_through_ring
 from .targets import Target, mark_loaded
 
@@ -78,11 +80,22 @@ def _check_host(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
 
 
 def _read_checked(ckpt: Checkpoint, names: list[str], stats: dict, into, check: bool,
-                  threads: int | None = None) -> list:
-    loaded = list(ckpt.read(names, stats, into=into, threads=threads)) if names else []
-    if check:
-        for name, tensor in loaded:
-            _check_host(ckpt, name, tensor)
+                  threads: int | None = None, stop: threading.Event | None = None) -> list:
+    """The tensors `names`, read (into `into`, `threads` reads at a time) and, with `check`,
+    their values checked; with `stop`, no read starts once it is set."""
+    loaded: list = []
+    if not names:
+        return loaded
+    reads = ckpt.read(names, stats, into=into, threads=threads)
+    try:
+        for name, tensor in reads:
+            if stop is not None and stop.is_set():
+                break
+            if check:
+                _check_host(ckpt, name, tensor)
+            loaded.append((name, tensor))
+    finally:
+        reads.close()  # (the reads still running are waited for)
     return loaded
 
 
@@ -91,10 +104,10 @@ class LoaderRead:
     while the commit streams the rest from registered shards: read before the weights lock
     they held up the stream (a bf16 checkpoint's linear weights, ~400 MB of v2-lite:4, 15 ms
     on the H200 host). Not beside the ring's readers: a first bf16 reload took 336 ms
-    against 179 (median of 20, `results/h200/reload-engine/ab-*.txt`). A failure is raised
-    by `result`, inside the commit: the transaction rolls back. `THREADS` reads at a time:
-    they have the stream's time to finish, and the stream's host-to-device copies read host
-    memory too."""
+    against 179 (median of 20, `results/h200/reload-engine/ab-164db82-vs-wip1.txt`). A
+    failure is raised by `result`, inside the commit: the transaction rolls back. `THREADS`
+    reads at a time: they have the stream's time to finish, and the stream's host-to-device
+    copies read host memory too."""
 
     THREADS = 2
 
@@ -102,39 +115,52 @@ class LoaderRead:
         self.stats: dict = {}
         self.loaded: list = []
         self.error: BaseException | None = None
+        self.stop, self.done = threading.Event(), threading.Event()
         self.thread = threading.Thread(target=self._run, args=(ckpt, names, into, check),
                                        name="fp8-reload-loaders", daemon=True)
         self.thread.start()
 
     def _run(self, ckpt, names, into, check) -> None:
         try:
-            self.loaded = _read_checked(ckpt, names, self.stats, into, check, self.THREADS)
+            self.loaded = _read_checked(ckpt, names, self.stats, into, check, self.THREADS, self.stop)
         except BaseException as e:  # (raised again on the commit's thread)
             self.error = e
+        finally:
+            self.done.set()
+
+    def settle(self) -> None:
+        """Wait until none of its reads runs, Ctrl-C held back meanwhile: they write into the
+        arena the next reload reuses. (An event, not `join`: a join cut short by Ctrl-C
+        leaves the thread marked stopped while it still runs.)"""
+        with sigint_deferred():
+            self.done.wait()
 
     def result(self, stats: dict) -> list:
-        """Wait for the reads; their tensors, their bytes added to `stats`."""
-        self.thread.join()
+        """Wait for the reads; their tensors, what they counted added to `stats`."""
+        self.settle()
         if self.error is not None:
             raise self.error
-        stats["bytes_read"] = stats.get("bytes_read", 0) + self.stats.get("bytes_read", 0)
+        for key, n in self.stats.items():
+            stats[key] = stats.get(key, 0) + n
         return self.loaded
 
 
 def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, whole: bool = True,
-            registered: dict | None = None, memo: dict | None = None) -> Prepared:
+            register=None, memo: dict | None = None) -> Prepared:
     """Read and check the scales and the tensors that take a Python loader (into `into`, a
-    pinned arena, on a GPU). Nothing in the model is written. `registered`: the shards
-    the commit reads from registered memory (`to_device.registered_files`); when they are
-    all it streams from, the loaders' tensors are read by `commit`, beside the stream.
-    `memo`: where what derives from a kept plan's `targets` alone is kept (its chunks)."""
+    pinned arena, on a GPU). Nothing in the model is written. `register(streamed)`, once
+    the scales are good: the shards the commit reads from registered memory
+    (`to_device.registered_files`); when they are all it streams from, the loaders'
+    tensors are read by `commit`, beside the stream. `memo`: where what derives from a kept
+    plan's `targets` alone is kept (its chunks)."""
     check = not all(t.info.name in ckpt.checked for t in targets)
     scalars = [t for t in targets if t.kind == "scalar"]
     with trace.range("fp8_reload/scales_read", payload=4 * len(scalars)):
         values = read_scalars(ckpt, scalars, check)
     stats["bytes_read"] = stats.get("bytes_read", 0) + sum(t.info.nbytes for t in scalars)
-    registered = registered or {}
     streamed = streamed_of(targets)
+    # (after the scales: a checkpoint that cannot load neither counts as read nor pins pages)
+    registered = register(streamed) if register is not None else {}
     # (a registered shard's pages are in the page cache, pinned: no read-ahead to ask for)
     advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
     prep = Prepared(ckpt, targets, values, [], check, whole, registered=registered)
@@ -143,8 +169,10 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, who
     if key not in memo:
         memo[key] = make_chunks(streamed)
     prep.chunks = memo[key]
-    if into is not None and prep.registered and all(t.info.file in prep.registered for t in prep.streamed):
+    if into is not None and registered and all(t.info.file in registered for t in streamed):
         prep.loaders_into = into
+        # (grown here, before the weights lock: pinning memory holds the process's CUDA calls)
+        into.reset(sum(aligned(t.info.nbytes) for t in targets if t.kind == "loader"))
     else:
         prep.loaded = _read_checked(ckpt, prep.loaders, stats, into, check)
     return prep
@@ -184,16 +212,22 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None, backu
     # and reported success), and on a GPU the loaders must wait for the backup too
     device = device or model_device(model) or torch.device("cpu")
     loaders = prep.loaders if prep.loaders_into is not None else []
-    reading = LoaderRead(prep.ckpt, loaders, prep.loaders_into, prep.check) if loaders else None
+    reading = None
     try:
+        if loaders:
+            reading = LoaderRead(prep.ckpt, loaders, prep.loaders_into, prep.check)
         if device.type == "cuda":
             _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats, backup_ahead)
         else:
             _write_scalars(scalars, prep.scalar_values)
             _commit_host(model, prep, streamed, stats)
+    except BaseException:
+        if reading is not None:
+            reading.stop.set()  # (the reads still running finish; no more start)
+        raise
     finally:  # (on a failure too: no read outlives the commit into the arena the next one reuses)
         if reading is not None:
-            reading.thread.join()
+            reading.settle()
     if reading is not None:
         prep.loaded = reading.result(stats)
     if prep.loaded:

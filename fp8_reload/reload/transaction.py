@@ -59,7 +59,7 @@ from .plan import (
     stage,
     target_cache,
 )
-from .stream import commit, prepare, streamed_of
+from .stream import commit, prepare
 from .targets import write_order
 from .to_device import bytes_by_file, registered_files, release_dropped
 
@@ -206,12 +206,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 memo = target_cache(model).derived_of(names) if streaming else {}
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
-                    into, registered = None, {}
+                    into, register = None, None
                     if cuda:  # registering pins shards' pages: here, not under the weights lock
                         into = staging.arena(model, "staging")
-                        registered = registered_files(model, ckpt, bytes_by_file(streamed_of(targets)))
+
+                        def register(streamed):
+                            return registered_files(model, ckpt, bytes_by_file(streamed))
                     prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None,
-                                       registered=registered, memo=memo)
+                                       register=register, memo=memo)
                     report.staged_bytes = prepared.staged_bytes
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
