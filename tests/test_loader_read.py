@@ -35,7 +35,9 @@ def test_loader_read_gives_what_a_plain_read_gives_and_counts_its_bytes(ckpts):
     names = _loader_names(ckpts["bf16", 1])
     want = dict(ckpt.read(names))
     stats = {"bytes_read": 7}
-    got = dict(stream_mod.LoaderRead(ckpt, names, None, check=True).result(stats))
+    reading = stream_mod.LoaderRead(ckpt, names, None, check=True)
+    reading.start()
+    got = dict(reading.result(stats))
     assert got.keys() == want.keys()
     assert all(torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in names)
     assert stats["bytes_read"] == 7 + sum(ckpt.info(n).nbytes for n in names)
@@ -72,6 +74,7 @@ def test_loader_read_raises_a_bad_value_on_the_callers_thread(ckpts, tmp_path):
     path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "bad")
     rewrite_tensor(path, LINEAR, lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
     reading = stream_mod.LoaderRead(fr.Checkpoint(path), _loader_names(path), None, check=True)
+    reading.start()
     with pytest.raises(fr.InvalidTensorError, match="q_proj"):
         reading.result({})
     assert not reading.thread.is_alive()
@@ -97,8 +100,11 @@ def _no_reader_left() -> bool:
 @CUDA
 @pytest.mark.parametrize("register", ["always", "never"])
 def test_a_gpu_reload_reads_loaders_beside_registered_shards_only(ckpts, spied, monkeypatch, register):
+    """Registered by the first reload (once its checks passed), read from by the second."""
     monkeypatch.setattr(to_device, "REGISTER", register)
     model = fr.load_model(ckpts["bf16", 0], device="cuda")
+    fr.update_weights_from_disk(model, ckpts["bf16", 1])
+    assert spied == []
     fr.update_weights_from_disk(model, ckpts["bf16", 1])
     assert len(spied) == (1 if register == "always" else 0)
     fresh = fr.load_model(ckpts["bf16", 1], device="cuda")
@@ -106,9 +112,17 @@ def test_a_gpu_reload_reads_loaders_beside_registered_shards_only(ckpts, spied, 
     assert _no_reader_left()
 
 
+def _registered_already(monkeypatch):
+    """The reload plans as if every shard were registered already (a shard rewritten within
+    its timestamp tick keeps its stamp and registration, and its values are checked again);
+    it registers them after its checks before the lock."""
+    monkeypatch.setattr(to_device, "REGISTER", "always")
+    monkeypatch.setattr(tx, "registered_now", lambda model, ckpt, files: set(files))
+
+
 @CUDA
 def test_a_bad_loader_value_read_beside_the_stream_rolls_back(ckpts, tmp_path, spied, monkeypatch):
-    monkeypatch.setattr(to_device, "REGISTER", "always")  # registered at its first read: checked there
+    _registered_already(monkeypatch)
     path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "bad")
     rewrite_tensor(path, LINEAR, lambda t: t.index_fill(0, torch.tensor([2]), float("inf")))
     model = fr.load_model(ckpts["bf16", 0], device="cuda")
@@ -124,7 +138,7 @@ def test_a_bad_loader_value_read_beside_the_stream_rolls_back(ckpts, tmp_path, s
 
 @CUDA
 def test_a_loader_read_failing_beside_the_stream_rolls_back(ckpts, spied, monkeypatch):
-    monkeypatch.setattr(to_device, "REGISTER", "always")
+    _registered_already(monkeypatch)
     model = fr.load_model(ckpts["bf16", 0], device="cuda")
     before = fr.snapshot(model)
 
@@ -157,6 +171,7 @@ def registered(monkeypatch):
         return {f: _HostCopy(ckpt.path / f) for f in read} if on[0] else {}
 
     monkeypatch.setattr(tx, "registered_files", registered_files)
+    monkeypatch.setattr(tx, "registered_now", lambda model, ckpt, files: set(files) if on[0] else set())
     monkeypatch.setattr(tx, "on_triton_device", lambda model: False)  # bf16 experts take loaders too
     return on
 
@@ -229,3 +244,97 @@ def test_a_bad_scale_neither_counts_a_read_nor_registers(ckpts, tmp_path, gpu_pa
         with pytest.raises(fr.InvalidTensorError, match="scale"):
             fr.update_weights_from_disk(model, path)
     assert counted == [] and holder(model, "registered", RegisteredShards).reads == {}
+
+
+def _interrupted_reload_leaves_no_read(tmp_path, tiny_cfg, monkeypatch, registered):
+    """Reload b (its reads slow) expecting a KeyboardInterrupt, then c through the ring:
+    no read of b may end after the interrupt, and c lands as a fresh load."""
+    import fp8_reload.checkpoint.reader as reader_mod
+
+    a, b, c = (fr.write_checkpoint(tmp_path / f"bf16-{s}", tiny_cfg, seed=s, kind="bf16") for s in range(3))
+    real, late = reader_mod._read_tensor, []
+
+    def slow(handle, fpath, info, out=None):
+        if str(fpath).startswith(str(b)):
+            time.sleep(0.05)
+            late.append(time.monotonic())
+        return real(handle, fpath, info, out=out)
+
+    monkeypatch.setattr(reader_mod, "_read_tensor", slow)
+    model = fr.load_model(a)
+    before = fr.snapshot(model)
+    with pytest.raises(KeyboardInterrupt):
+        fr.update_weights_from_disk(model, b)
+    raised = time.monotonic()
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    registered[0] = False
+    fr.update_weights_from_disk(model, c)
+    assert not any(t > raised for t in late) and _no_reader_left()
+    assert fr.compare_states(fr.snapshot(fr.load_model(c)), fr.snapshot(model)) == []
+
+
+def test_ctrl_c_as_the_loaders_thread_starts(tmp_path, tiny_cfg, gpu_path, registered, monkeypatch):  # noqa: F811
+    """Review (helper 37): `Thread.start` waits for the thread to run, and a Ctrl-C there
+    left it running unseen (the commit had no handle on it yet)."""
+    real_start = threading.Thread.start
+
+    def start(self):
+        real_start(self)
+        if self.name == "fp8-reload-loaders":
+            raise KeyboardInterrupt  # as if it arrived at the end of the wait
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    _interrupted_reload_leaves_no_read(tmp_path, tiny_cfg, monkeypatch, registered)
+
+
+def test_ctrl_c_before_a_deferral_is_in_place(tmp_path, tiny_cfg, gpu_path, registered, monkeypatch):  # noqa: F811
+    """Review (helper 37): a Ctrl-C landing as `sigint_deferred` is entered, before its
+    handler is in place."""
+    import fp8_reload.reload.interrupts as interrupts
+
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    real_get, fired = signal.getsignal, []
+
+    def getsignal(signum):
+        if not fired:
+            fired.append(signum)
+            raise KeyboardInterrupt
+        return real_get(signum)
+
+    monkeypatch.setattr(interrupts.signal, "getsignal", getsignal)
+    _interrupted_reload_leaves_no_read(tmp_path, tiny_cfg, monkeypatch, registered)
+    assert fired
+
+
+def test_an_arena_lent_to_a_thread_is_reset_by_another_only_once_it_is_done():
+    from fp8_reload.checkpoint import PinnedArena
+
+    arena, done = PinnedArena(pin=False), threading.Event()
+    arena.reset(64)
+    arena.lend(threading.Thread(target=lambda: None), done)
+    waited = []
+    other = threading.Thread(target=lambda: (arena.reset(64), waited.append(done.is_set())))
+    other.start()
+    time.sleep(0.2)
+    assert other.is_alive()  # still waiting for the borrower
+    done.set()
+    other.join(5)
+    assert waited == [True]
+
+
+def test_a_bad_loader_value_on_the_ring_path_neither_counts_a_read_nor_registers(ckpts, tmp_path, gpu_path,  # noqa: F811
+                                                                                  monkeypatch):
+    """Review (helper 37): read before the lock (shards not registered yet), a bad loader
+    value failed after the reads were counted; two such reloads would pin the shards."""
+    from fp8_reload.checkpoint.registered import RegisteredShards
+    from fp8_reload.checkpoint.staging import holder
+
+    monkeypatch.setattr(to_device, "REGISTER", "auto")
+    monkeypatch.setattr(tx, "on_triton_device", lambda model: False)
+    path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "bad")
+    rewrite_tensor(path, LINEAR, lambda t: t.index_fill(0, torch.tensor([1]), float("nan")))
+    model = fr.load_model(ckpts["bf16", 0])
+    for _ in range(2):
+        with pytest.raises(fr.InvalidTensorError, match="q_proj"):
+            fr.update_weights_from_disk(model, path)
+    assert holder(model, "registered", RegisteredShards).reads == {}

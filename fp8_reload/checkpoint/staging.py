@@ -57,6 +57,12 @@ class PinnedArena:
         self.pin = pin and torch.cuda.is_available()
         self.buffer: torch.Tensor | None = None
         self.used = 0
+        self.borrower: tuple[threading.Thread, threading.Event] | None = None  # (`lend`)
+
+    def lend(self, thread: threading.Thread, done: threading.Event) -> None:
+        """`thread` fills the arena until `done` is set: a `reset` from any other thread
+        waits for that first (a reload interrupted while it read must not meet the next)."""
+        self.borrower = (thread, done)
 
     @property
     def capacity(self) -> int:
@@ -64,6 +70,9 @@ class PinnedArena:
 
     def reset(self, nbytes: int) -> None:
         """Make room for `nbytes` (aligned pieces included) and start handing out from 0."""
+        if self.borrower is not None and self.borrower[0] is not threading.current_thread():
+            self.borrower[1].wait()
+            self.borrower = None
         if nbytes > self.capacity or self.buffer is None:
             self.buffer = None  # release the old one first: pinned memory is precious
             self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import signal
 import threading
+from collections.abc import Callable
 from contextlib import contextmanager
 
 
 @contextmanager
-def sigint_deferred():
+def sigint_deferred(then: Callable[[], None] | None = None):
     """Hold Ctrl-C back while the block runs (main thread only: a backup restored, a read
     into memory the next reload reuses waited for), then hand it to the handler that was
     installed before, as if it arrived just then.
@@ -21,6 +22,7 @@ def sigint_deferred():
     installed. A handler not installed from Python (`signal.getsignal` returns
     None) could not be put back once replaced: then nothing is installed and
     nothing is deferred. What was there before is always what is there after.
+    `then()`, if given, runs when a Ctrl-C is held back (to cut the block short).
     """
     if threading.current_thread() is not threading.main_thread():
         yield
@@ -33,8 +35,14 @@ def sigint_deferred():
         yield
         return
     received = []
+
+    def hold(signum, frame) -> None:
+        received.append(signum)
+        if then is not None:
+            then()
+
     try:
-        signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+        signal.signal(signal.SIGINT, hold)
     except (ValueError, OSError):  # not the main interpreter
         yield
         return

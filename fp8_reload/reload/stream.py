@@ -116,9 +116,22 @@ class LoaderRead:
         self.loaded: list = []
         self.error: BaseException | None = None
         self.stop, self.done = threading.Event(), threading.Event()
+        self.started, self.into = False, into
         self.thread = threading.Thread(target=self._run, args=(ckpt, names, into, check),
                                        name="fp8-reload-loaders", daemon=True)
-        self.thread.start()
+
+    def start(self) -> None:
+        """Start the reads (Ctrl-C held back: a thread started by an interrupted `start`
+        would read on unseen)."""
+        with sigint_deferred(then=self.stop.set):
+            self.started = True
+            if self.into is not None:
+                self.into.lend(self.thread, self.done)
+            try:
+                self.thread.start()
+            except Exception:  # no thread (a KeyboardInterrupt comes once it runs: it sets `done`)
+                self.done.set()
+                raise
 
     def _run(self, ckpt, names, into, check) -> None:
         try:
@@ -129,11 +142,20 @@ class LoaderRead:
             self.done.set()
 
     def settle(self) -> None:
-        """Wait until none of its reads runs, Ctrl-C held back meanwhile: they write into the
-        arena the next reload reuses. (An event, not `join`: a join cut short by Ctrl-C
-        leaves the thread marked stopped while it still runs.)"""
-        with sigint_deferred():
-            self.done.wait()
+        """Wait until none of its reads runs: they write into the arena the next reload
+        reuses. A Ctrl-C meanwhile starts no more reads and is handed on once they end (an
+        event, not `join`: a join cut short by Ctrl-C leaves the thread marked stopped
+        while it still runs; the arena's `reset` waits too, should one slip through)."""
+        held_back = None
+        while self.started and not self.done.is_set():
+            try:
+                with sigint_deferred(then=self.stop.set):
+                    self.done.wait()
+            except BaseException as e:  # (one that came before the handler was in place)
+                self.stop.set()
+                held_back = held_back or e
+        if held_back is not None:
+            raise held_back
 
     def result(self, stats: dict) -> list:
         """Wait for the reads; their tensors, what they counted added to `stats`."""
@@ -146,24 +168,21 @@ class LoaderRead:
 
 
 def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, whole: bool = True,
-            register=None, memo: dict | None = None) -> Prepared:
+            registered: set[str] | frozenset = frozenset(), memo: dict | None = None) -> Prepared:
     """Read and check the scales and the tensors that take a Python loader (into `into`, a
-    pinned arena, on a GPU). Nothing in the model is written. `register(streamed)`, once
-    the scales are good: the shards the commit reads from registered memory
-    (`to_device.registered_files`); when they are all it streams from, the loaders'
-    tensors are read by `commit`, beside the stream. `memo`: where what derives from a kept
-    plan's `targets` alone is kept (its chunks)."""
+    pinned arena, on a GPU). Nothing in the model is written. `registered`: the shards
+    registered already (`to_device.registered_now`); when they are all the commit streams
+    from, the loaders' tensors are read by `commit`, beside the stream. `memo`: where what
+    derives from a kept plan's `targets` alone is kept (its chunks)."""
     check = not all(t.info.name in ckpt.checked for t in targets)
     scalars = [t for t in targets if t.kind == "scalar"]
     with trace.range("fp8_reload/scales_read", payload=4 * len(scalars)):
         values = read_scalars(ckpt, scalars, check)
     stats["bytes_read"] = stats.get("bytes_read", 0) + sum(t.info.nbytes for t in scalars)
     streamed = streamed_of(targets)
-    # (after the scales: a checkpoint that cannot load neither counts as read nor pins pages)
-    registered = register(streamed) if register is not None else {}
     # (a registered shard's pages are in the page cache, pinned: no read-ahead to ask for)
     advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
-    prep = Prepared(ckpt, targets, values, [], check, whole, registered=registered)
+    prep = Prepared(ckpt, targets, values, [], check, whole)
     key = ("chunks", _chunks.CHUNK_BYTES, _chunks.READ_IO)  # (what `make_chunks` lays them out by)
     memo = {} if memo is None else memo
     if key not in memo:
@@ -212,10 +231,13 @@ def commit(model, prep: Prepared, stats: dict, wait_for=None, device=None, backu
     # and reported success), and on a GPU the loaders must wait for the backup too
     device = device or model_device(model) or torch.device("cpu")
     loaders = prep.loaders if prep.loaders_into is not None else []
-    reading = None
+    if loaders and not all(t.info.file in prep.registered for t in streamed):
+        # (a shard registered when planned is not any more: read them first, as the ring wants)
+        prep.loaded, loaders = _read_checked(prep.ckpt, loaders, stats, prep.loaders_into, prep.check), []
+    reading = LoaderRead(prep.ckpt, loaders, prep.loaders_into, prep.check) if loaders else None
     try:
-        if loaders:
-            reading = LoaderRead(prep.ckpt, loaders, prep.loaders_into, prep.check)
+        if reading is not None:
+            reading.start()
         if device.type == "cuda":
             _commit_cuda(model, prep, streamed, scalars, device, wait_for, stats, backup_ahead)
         else:

@@ -165,6 +165,17 @@ def registered_files(model, ckpt, read: dict[str, int]) -> dict:
     return out
 
 
+def registered_now(model, ckpt, files) -> set[str]:
+    """Which of `files` a reload reads from registered memory already (registered under the
+    stamps parsed): nothing counted, nothing registered (`registered_files` does that, once
+    the reload's checks before the lock have passed)."""
+    shards = held(model).get("registered")
+    if shards is None or REGISTER == "never":
+        return set()
+    return {f for f in files if (reg := shards.current(ckpt.path / f)) is not None
+            and reg.stamp == ckpt.parsed_stamp(f)}
+
+
 def release_dropped(model) -> None:
     """Unregister the registrations `registered_files` stopped using (files changed, room
     made): the driver's unregister waits for the whole device, so the transaction calls
