@@ -1,7 +1,7 @@
 """Where a filtered reload's host time goes (one expert per MoE layer, the EPLB step of
-issue 13's "<= 3 ms" goal): phases of 20 reloads, then the same 20 under cProfile,
-the functions by their own time, so a blocking call (an event wait, a read-back, a
-pageable copy) shows up by name.
+issue 13's "<= 3 ms" goal): phases of 20 reloads, then the same 20 under cProfile, the
+functions by their own time and with their callees, so a blocking call (an event wait, a
+read-back, a pageable copy) shows up by name.
 
     python3 gpu/filtered_probe.py [--layers 4] [--kinds fp8,bf16] [--dir /tmp/ckpt_io]
 """
@@ -51,10 +51,11 @@ def main() -> None:
         for _ in range(args.repeat):
             fr.update_weights_from_disk(model, path, flt)
         prof.disable()
-        text = io.StringIO()
-        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
-        print(f"[{kind}] cProfile, {args.repeat} reloads, by own time:")
-        print("\n".join(text.getvalue().splitlines()[:40]))
+        for order, label in (("tottime", "own time"), ("cumulative", "time with callees")):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(order).print_stats(30)
+            print(f"[{kind}] cProfile, {args.repeat} reloads, by {label}:")
+            print("\n".join(text.getvalue().splitlines()[:40]))
         fr.release_staging(model)
 
 

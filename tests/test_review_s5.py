@@ -219,13 +219,38 @@ def _chunk(sizes):
     return chunk, src, dsts
 
 
-def _land_one(chunk, src):
+def _land_one(chunk, src, tables=None, keep=True):
     slots = to_device.DeviceSlots()
     slots.reserve(chunk.extent, "cpu")
     checks: list = []
-    to_device._land(chunk, src, 0, slots, to_device.RowTables(), True, lambda module, slots=(): None,
-                    checks, None)
+    to_device._land(chunk, src, 0, slots, tables or to_device.RowTables(), keep,
+                    lambda module, slots=(): None, checks, None)
     return checks
+
+
+@pytest.mark.parametrize("keep", [True, False], ids=["kept", "filtered"])
+@pytest.mark.parametrize("views", [2, to_device.FEW_ROWS + 1])
+def test_a_chunk_takes_a_copy_table_unless_it_is_a_few_views_not_kept(cpu_streams, monkeypatch, keep, views):
+    """Kept tables (a full reload's) and chunks of many views land through one copy table;
+    a filtered chunk of at most `FEW_ROWS` views is copied view by view (building and
+    sending its table cost more host time than the copies). Either way, the same bytes."""
+    pytest.importorskip("triton")
+    from fp8_reload.kernels.triton.runtime import INTERPRET
+
+    if not INTERPRET:
+        pytest.skip("CPU tensors reach Triton's interpreter only (on a GPU: test_stream's few-views test)")
+    monkeypatch.setattr(to_device, "on_triton", lambda t: True)  # (the kernel runs interpreted)
+    tables = to_device.RowTables()
+    built = []
+    monkeypatch.setattr(tables, "get", lambda *a: built.append(a) or to_device.RowTables.get(tables, *a))
+    chunk, src, dsts = _chunk([8 + 4 * k for k in range(views)])
+    _land_one(chunk, src, tables, keep)
+    assert bool(built) == (keep or views > to_device.FEW_ROWS)
+    at = 0
+    for k, d in enumerate(dsts):
+        n = 8 + 4 * k
+        assert torch.equal(d[4:4 + n], src[at:at + n]) and not d[:4].any() and not d[4 + n:].any()
+        at += n
 
 
 def test_a_gpu_reload_lands_its_chunks_without_triton(cpu_streams, monkeypatch):

@@ -515,6 +515,24 @@ def test_a_filtered_reload_keeps_no_copy_table():
     assert tables.get(0, copies, "cpu") is kept and len(tables.tables) == 1
 
 
+@pytest.mark.parametrize("few", [to_device.FEW_ROWS, 0], ids=["copies", "tables"])
+@pytest.mark.parametrize("register", ["always", "never"])
+def test_a_filtered_reload_writes_a_few_views_with_a_copy_each(ckpts, tmp_path, monkeypatch, few, register):
+    """A filtered chunk's few views are copied one by one, not through a copy table built
+    and sent for it alone (`FEW_ROWS`); with no such limit they take the table. Both
+    land bit for bit; full reloads keep their tables."""
+    if not torch.cuda.is_available():
+        pytest.skip("the copy tables are a CUDA path")
+    monkeypatch.setattr(to_device, "FEW_ROWS", few)
+    monkeypatch.setattr(to_device, "REGISTER", register)
+    built = []
+    get = to_device.RowTables.get
+    monkeypatch.setattr(to_device.RowTables, "get", lambda self, *a: built.append(a) or get(self, *a))
+    _reload_twice_and_compare(ckpts, tmp_path, "cuda", "fp8", SPEC)
+    filtered = [a for a in built if a[3] is False]
+    assert bool(filtered) == (few == 0)
+
+
 def test_a_kept_plan_keeps_its_chunks_while_their_size_is_the_same(ckpts, monkeypatch):
     """A repeated full reload lands the chunks the one before laid out (`prepare`'s memo):
     laid out once per kept plan and chunk size, and the reloads land as a fresh load."""

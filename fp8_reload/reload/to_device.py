@@ -56,6 +56,10 @@ from .targets import Target
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
 REGISTER_STEP = int(os.environ.get("FP8_RELOAD_REGISTER_STEP", 4 << 30))
 WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
+# A chunk whose copy table is not kept (a filtered reload's) writes at most this many views
+# with a copy each: building a table and sending it to the device cost 0.2-0.3 ms of host
+# time a chunk on the H200, ten copies less (`gpu/host_timeline.py --filtered`).
+FEW_ROWS = 16
 
 
 def _register_budget() -> int:
@@ -279,13 +283,15 @@ def _write_out(chunk: Chunk, k: int, landed, slots: DeviceSlots, tables: RowTabl
     """Chunk `k`'s tensors from device buffer ``k % 2`` to their places on the current stream
     (the writes), once `landed` (its copy in) has run and the backup of what they overwrite
     is taken: one launch for all (`copy_rows`), a copy for a strided destination (or each,
-    without Triton); bf16 experts quantized into their FP8 slots."""
+    without Triton, or for a few views whose table would not be kept); bf16 experts
+    quantized into their FP8 slots."""
     place = torch.cuda.current_stream()
     i = k % 2
     dslot = slots.buffers[i][:chunk.extent]
     place.wait_event(landed)  # (the h2d stream runs in order: the chunk's earlier parts too)
     rows, others = [], []
-    kernel = on_triton(dslot)  # (triton is an optional extra: without it, a copy each)
+    # (triton is an optional extra: without it, a copy each)
+    kernel = on_triton(dslot) and (keep or sum(len(t.views) for t in chunk.targets) > FEW_ROWS)
     for t in chunk.targets:
         writable(t.module, t.slots)
         if t.kind != "copy":
