@@ -489,6 +489,12 @@ def test_a_parse_made_while_its_files_were_fresh_settles_once_they_have(ckpts, t
     fr.update_weights_from_disk(model, path)
     assert len(calls) == before
     assert fr.compare_states(fr.snapshot(fr.load_model(path)), fr.snapshot(model)) == []
+    # a NaN written in since (new stamps: a new parse, whose values are checked again)
+    kept = fr.snapshot(model)
+    _poke_nan(path, "model.layers.2.mlp.experts.5.down_proj.weight")
+    with pytest.raises(fr.InvalidTensorError, match="NaN"):
+        fr.update_weights_from_disk(model, path)
+    assert fr.compare_states(kept, fr.snapshot(model), identity=True) == []
 
 
 def test_every_reader_thread_takes_a_piece_of_a_small_chunk():

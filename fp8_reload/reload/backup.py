@@ -256,10 +256,13 @@ class Backup:
         params = dict(module._parameters)
         buffers = dict(module._buffers)
         datas = {k: p.data for k, p in params.items() if p is not None}
-        state = {k: getattr(module, k) for k in _STATE_ATTRS if hasattr(module, k)}
-        if hasattr(module, "staged"):  # {key: tensor} or {slot: {shard: tensor}}
+        # (plain attributes live in the instance's dict: `hasattr` on a module that lacks one
+        # goes through `Module.__getattr__` and a raised AttributeError, microseconds each)
+        attrs = module.__dict__
+        state = {k: attrs[k] for k in _STATE_ATTRS if k in attrs}
+        if "staged" in attrs:  # {key: tensor} or {slot: {shard: tensor}}
             state["staged"] = {k: dict(v) if isinstance(v, dict) else v
-                               for k, v in module.staged.items()}
+                               for k, v in attrs["staged"].items()}
         if isinstance(module, FusedMoE):
             state["loaded_experts"] = set(module.loaded_experts)
         self.modules.append((module, params, buffers, datas, state))

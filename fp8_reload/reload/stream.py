@@ -40,9 +40,21 @@ from .ring import ring_for, stream_through_ring
 from .targets import Target, mark_loaded
 
 
-def streamed_of(targets: list[Target]) -> list[Target]:
-    """The targets `commit` streams from the files (the rest: scales and loaders)."""
-    return [t for t in targets if t.kind in ("copy", "quant")]
+class Kinds:
+    """`targets` by how they land: scales (read first), streamed (`commit` streams them from
+    the files), the loaders'. Sorted once per kept plan (`prepare`'s memo): a full reload of
+    v2-lite:4 has 1,824 targets, and each pass over them costs a repeated reload host time
+    before its first copy."""
+
+    def __init__(self, targets: list[Target]):
+        self.scalars = [t for t in targets if t.kind == "scalar"]
+        self.scalar_bytes = sum(t.info.nbytes for t in self.scalars)
+        self.streamed = [t for t in targets if t.kind in ("copy", "quant")]
+        loaders = [t for t in targets if t.kind == "loader"]
+        self.loaders = [t.info.name for t in loaders]
+        self.loader_bytes = sum(t.info.nbytes for t in loaders)
+        self.loader_arena = sum(aligned(t.info.nbytes) for t in loaders)
+        self.names = [t.info.name for t in targets]
 
 
 @dataclass
@@ -60,18 +72,23 @@ class Prepared:
     # on a GPU: the shards read from registered memory, registered by the transaction before
     # the weights lock (`to_device.registered_files`); none: everything through the ring
     registered: dict = field(default_factory=dict)
+    kinds: Kinds | None = None  # the targets by kind (`Kinds`), sorted when not given
+
+    def __post_init__(self):
+        if self.kinds is None:
+            self.kinds = Kinds(self.targets)
 
     @property
     def streamed(self) -> list[Target]:
-        return streamed_of(self.targets)
+        return self.kinds.streamed
 
     @property
     def loaders(self) -> list[str]:
-        return [t.info.name for t in self.targets if t.kind == "loader"]
+        return self.kinds.loaders
 
     @property
     def staged_bytes(self) -> int:
-        return sum(t.info.nbytes for t in self.targets if t.kind == "loader")
+        return self.kinds.loader_bytes
 
 
 def _check_host(ckpt: Checkpoint, name: str, tensor: torch.Tensor) -> None:
@@ -174,24 +191,29 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, who
     registered already (`to_device.registered_now`); when they are all the commit streams
     from, the loaders' tensors are read by `commit`, beside the stream. `memo`: where what
     derives from a kept plan's `targets` alone is kept (its chunks)."""
-    check = not all(t.info.name in ckpt.checked for t in targets)
-    scalars = [t for t in targets if t.kind == "scalar"]
+    memo = {} if memo is None else memo
+    kinds = memo.get("kinds")
+    if kinds is None:
+        kinds = memo["kinds"] = Kinds(targets)
+    # a parse's `checked` names only grow: once they hold every target, they always will
+    check = memo.get("all_checked") is not ckpt and not ckpt.checked.issuperset(kinds.names)
+    if not check:
+        memo["all_checked"] = ckpt
+    scalars, streamed = kinds.scalars, kinds.streamed
     with trace.range("fp8_reload/scales_read", payload=4 * len(scalars)):
         values = read_scalars(ckpt, scalars, check)
-    stats["bytes_read"] = stats.get("bytes_read", 0) + sum(t.info.nbytes for t in scalars)
-    streamed = streamed_of(targets)
+    stats["bytes_read"] = stats.get("bytes_read", 0) + kinds.scalar_bytes
     # (a registered shard's pages are in the page cache, pinned: no read-ahead to ask for)
     advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
-    prep = Prepared(ckpt, targets, values, [], check, whole)
+    prep = Prepared(ckpt, targets, values, [], check, whole, kinds=kinds)
     key = ("chunks", _chunks.CHUNK_BYTES, _chunks.READ_IO)  # (what `make_chunks` lays them out by)
-    memo = {} if memo is None else memo
     if key not in memo:
         memo[key] = make_chunks(streamed)
     prep.chunks = memo[key]
-    if into is not None and registered and all(t.info.file in registered for t in streamed):
+    if into is not None and registered and all(c.file in registered for c in prep.chunks):
         prep.loaders_into = into
         # (grown here, before the weights lock: pinning memory holds the process's CUDA calls)
-        into.reset(sum(aligned(t.info.nbytes) for t in targets if t.kind == "loader"))
+        into.reset(kinds.loader_arena)
     else:
         prep.loaded = _read_checked(ckpt, prep.loaders, stats, into, check)
     return prep
