@@ -87,10 +87,17 @@ class Chunk:
         raise AssertionError(f"tensor {target.info.name!r} outside its chunk")
 
     def source(self, buf: torch.Tensor, target: Target) -> torch.Tensor:
-        """`target`'s tensor inside `buf` (a buffer this chunk was read into)."""
+        """`target`'s tensor inside `buf` (a buffer this chunk was read into). Spans keep
+        their file offset's place in a block or window (direct reads, registered shards),
+        and a header of odd length (the format allows one) puts every 2- and 4-byte tensor
+        at an odd offset, which torch cannot view as that dtype: such a tensor comes as an
+        aligned copy of its bytes, made on the current stream."""
         at = self.offset_of(target)
         info = target.info
-        return buf[at:at + info.nbytes].view(info.dtype).view(tuple(info.shape))
+        raw = buf[at:at + info.nbytes]
+        if raw.storage_offset() % info.dtype.itemsize:
+            raw = raw.clone()
+        return raw.view(info.dtype).view(tuple(info.shape))
 
 
 def unit_of(t: Target):

@@ -276,8 +276,11 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     # what `_fp8_layer` checked: another tensor at a cached address (or another device, or
     # the same memory seen through other strides) is checked again
     dev = w13.get_device()
-    key = (merge, dev, *((t.data_ptr(), t.dtype, t.shape, t.stride()) for t in (w13, w13_scale, a13, a13_raw,
-                                                                                a2, a2_raw)))
+    key = (merge, dev, w13.data_ptr(), w13.dtype, w13.shape, w13.stride(),  # (written out: a generator
+           w13_scale.data_ptr(), w13_scale.dtype, w13_scale.shape, w13_scale.stride(),  # costs ~1 us)
+           a13.data_ptr(), a13.dtype, a13.shape, a13.stride(), a13_raw.data_ptr(), a13_raw.dtype,
+           a13_raw.shape, a13_raw.stride(), a2.data_ptr(), a2.dtype, a2.shape, a2.stride(),
+           a2_raw.data_ptr(), a2_raw.dtype, a2_raw.shape, a2_raw.stride())
     ticket, half, e_all, compiled = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
     if min(experts) < 0 or max(experts) >= e_all:
         raise IndexError(f"requantize_w13_: experts {experts} outside the layer's {e_all}")
