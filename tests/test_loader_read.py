@@ -205,6 +205,18 @@ def test_loaders_read_beside_the_stream_report_what_they_read(ckpts, gpu_path, r
     assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["bf16", 0])), fr.snapshot(model)) == []
 
 
+def test_a_shard_no_longer_registered_at_the_commit_reads_the_loaders_first(ckpts, gpu_path, registered,  # noqa: F811
+                                                                             spied, monkeypatch):
+    """Planned with every shard registered (the loaders' arena lent for a read beside the
+    stream), committed with none (a registration released in between): the shards stream
+    through the ring, and the loaders are read first, as the ring wants, not beside it."""
+    model = fr.load_model(ckpts["bf16", 0])
+    monkeypatch.setattr(tx, "registered_files", lambda model, ckpt, read: {})
+    fr.update_weights_from_disk(model, ckpts["bf16", 1])
+    assert spied == []  # (no thread: read before the stream)
+    assert fr.compare_states(fr.snapshot(fr.load_model(ckpts["bf16", 1])), fr.snapshot(model)) == []
+
+
 def test_a_bad_scale_neither_counts_a_read_nor_registers(ckpts, tmp_path, gpu_path, monkeypatch):  # noqa: F811
     """Review (helper 36): registering came before the scales were read; two reloads failing
     on a NaN scale counted two reads of every shard and asked to register them all."""
