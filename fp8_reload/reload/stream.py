@@ -64,6 +64,7 @@ class Prepared:
     scalar_values: list[float]
     loaded: list[tuple[str, torch.Tensor]]  # (name, host tensor) for the modules' own loaders
     check: bool  # values not yet known good under these files' stamps
+    kinds: Kinds  # the targets by kind (kept with a kept plan)
     whole: bool = True  # no filter: the next reload most likely lands the same copies
     # the pinned arena `commit` reads the loaders' tensors into, on a thread of their own
     # while the rest streams (`LoaderRead`); None: `prepare` read them (`loaded`)
@@ -72,11 +73,6 @@ class Prepared:
     # on a GPU: the shards read from registered memory, registered by the transaction before
     # the weights lock (`to_device.registered_files`); none: everything through the ring
     registered: dict = field(default_factory=dict)
-    kinds: Kinds | None = None  # the targets by kind (`Kinds`), sorted when not given
-
-    def __post_init__(self):
-        if self.kinds is None:
-            self.kinds = Kinds(self.targets)
 
     @property
     def streamed(self) -> list[Target]:
@@ -205,7 +201,7 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, who
     stats["bytes_read"] = stats.get("bytes_read", 0) + kinds.scalar_bytes
     # (a registered shard's pages are in the page cache, pinned: no read-ahead to ask for)
     advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
-    prep = Prepared(ckpt, targets, values, [], check, whole, kinds=kinds)
+    prep = Prepared(ckpt, targets, values, [], check, kinds, whole)
     key = ("chunks", _chunks.CHUNK_BYTES, _chunks.READ_IO)  # (what `make_chunks` lays them out by)
     if key not in memo:
         memo[key] = make_chunks(streamed)
