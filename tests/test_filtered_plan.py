@@ -263,6 +263,13 @@ def test_what_a_kept_full_plan_derives_is_kept_with_it(ckpts):
     kept = {"backup_slots", "order", "experts", "kinds", chunks_key}
     assert kept <= set(derived) <= kept | {"all_checked"}  # (the last once every value is checked)
     assert any(kept[0] is kept_names for kept in cache.full.values())
+    # (the files and bytes the GPU path asks the registrations for, each reload: kept too)
+    targets = next(kept[1] for kept in cache.full.values() if kept[0] is kept_names)
+    kinds = derived["kinds"]
+    assert kinds.files == {t.info.file for t in targets}
+    streamed = [t for t in targets if t.kind in ("copy", "quant")]
+    assert kinds.streamed_by_file == {f: sum(t.info.nbytes for t in streamed if t.info.file == f)
+                                      for f in {t.info.file for t in streamed}}
     for _, layer in model.moe_layers():
         layer.expert_slots = {e: [(e + 3) % 8] for e in range(8)}
     fr.update_weights_from_disk(model, ckpts["fp8", 1])  # replanned: another names list

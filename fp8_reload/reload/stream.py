@@ -55,6 +55,18 @@ class Kinds:
         self.loader_bytes = sum(t.info.nbytes for t in loaders)
         self.loader_arena = sum(aligned(t.info.nbytes) for t in loaders)
         self.names = [t.info.name for t in targets]
+        self.files = {t.info.file for t in targets}
+        self.streamed_by_file: dict[str, int] = {}  # {file: bytes the commit streams from it}
+        for t in self.streamed:
+            self.streamed_by_file[t.info.file] = self.streamed_by_file.get(t.info.file, 0) + t.info.nbytes
+
+
+def kinds_of(targets: list[Target], memo: dict) -> Kinds:
+    """`targets` by kind, kept in `memo` (a kept plan's: `TargetCache.derived_of`)."""
+    kinds = memo.get("kinds")
+    if kinds is None:
+        kinds = memo["kinds"] = Kinds(targets)
+    return kinds
 
 
 @dataclass
@@ -188,9 +200,7 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, who
     from, the loaders' tensors are read by `commit`, beside the stream. `memo`: where what
     derives from a kept plan's `targets` alone is kept (its chunks)."""
     memo = {} if memo is None else memo
-    kinds = memo.get("kinds")
-    if kinds is None:
-        kinds = memo["kinds"] = Kinds(targets)
+    kinds = kinds_of(targets, memo)
     # a parse's `checked` names only grow: once they hold every target, they always will
     check = memo.get("all_checked") is not ckpt and not ckpt.checked.issuperset(kinds.names)
     if not check:
@@ -200,7 +210,8 @@ def prepare(ckpt: Checkpoint, targets: list[Target], stats: dict, into=None, who
         values = read_scalars(ckpt, scalars, check)
     stats["bytes_read"] = stats.get("bytes_read", 0) + kinds.scalar_bytes
     # (a registered shard's pages are in the page cache, pinned: no read-ahead to ask for)
-    advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
+    if not kinds.files.issubset(registered):
+        advise_will_need(ckpt, [t for t in streamed if t.info.file not in registered])
     prep = Prepared(ckpt, targets, values, [], check, kinds, whole)
     key = ("chunks", _chunks.CHUNK_BYTES, _chunks.READ_IO)  # (what `make_chunks` lays them out by)
     if key not in memo:

@@ -127,13 +127,6 @@ class RowTables:
         self.tables = {}
 
 
-def bytes_by_file(targets: list[Target]) -> dict[str, int]:
-    read: dict[str, int] = {}
-    for t in targets:
-        read[t.info.file] = read.get(t.info.file, 0) + t.info.nbytes
-    return read
-
-
 def registered_files(model, ckpt, read: dict[str, int]) -> dict:
     """{file: RegisteredFile} for the files of `read` ({file: bytes this reload reads})
     that this reload reads from registered memory, registering those the policy wants.

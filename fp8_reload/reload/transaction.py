@@ -59,9 +59,9 @@ from .plan import (
     stage,
     target_cache,
 )
-from .stream import commit, prepare
+from .stream import commit, kinds_of, prepare
 from .targets import write_order
-from .to_device import bytes_by_file, registered_files, registered_now, release_dropped
+from .to_device import registered_files, registered_now, release_dropped
 
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
@@ -207,12 +207,13 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if cuda else None
-                    now = registered_now(model, ckpt, {t.info.file for t in targets}) if cuda else set()
+                    kinds = kinds_of(targets, memo)
+                    now = registered_now(model, ckpt, kinds.files) if cuda else set()
                     prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None,
                                        registered=now, memo=memo)
                     if cuda:  # registering pins shards' pages: here, not under the weights lock, and
                         # once the checks passed (a checkpoint that cannot load neither counts nor pins)
-                        prepared.registered = registered_files(model, ckpt, bytes_by_file(prepared.streamed))
+                        prepared.registered = registered_files(model, ckpt, kinds.streamed_by_file)
                     report.staged_bytes = prepared.staged_bytes
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
