@@ -157,6 +157,24 @@ def test_every_write_waits_for_the_backup_of_its_bytes(ckpts, emulated, monkeypa
     assert not bad, bad[:5]
 
 
+def test_the_first_piece_is_queued_before_the_small_tensors(ckpts, emulated, monkeypatch):
+    """On a side stream the backup's first piece goes first (the commit's first writes wait
+    for it; the small tensors' batched copies cost host time before it otherwise), and the
+    events of that piece are recorded after the small copies, which they then cover too."""
+    monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(bk, "LOOKAHEAD", 0)
+    model, names, targets = _setup(ckpts, "fp8", None, False)
+    backup = bk.capture_backup(model, names, False, order=write_order(targets), stream=_Stream())
+    n_small = len(backup.small)
+    head = len(emulated) - n_small  # the first piece's copies, queued by `start`
+    assert head >= 1 and n_small >= 1
+    assert all(copy is q for (_, _, copy), q in zip(backup.big, emulated[:head], strict=True))
+    assert all(flat is q for (_, flat), q in zip(backup.small, emulated[head:], strict=True))
+    first_events = [backup.recorded[k] for k in backup.marks if k < head]
+    assert first_events and all(e.pos == len(emulated) for e in first_events)
+    assert all(e.pos == len(emulated) for e in backup.events.values())
+
+
 @pytest.mark.parametrize("spec", [None, {1: [0, 3], 2: [2, 7]}, {2: [7]}])
 @pytest.mark.parametrize("lookahead", [0, 4096, 1 << 30])
 @pytest.mark.parametrize("chunk", [4096, 20000])
@@ -276,9 +294,10 @@ def test_a_backup_copy_failing_inside_the_commit_leaves_every_earlier_write_rest
     model, names, targets = _setup(ckpts, "fp8", None, False)
     backup = bk.capture_backup(model, names, False, order=write_order(targets), stream=_Stream())
     keep = bk.Backup._keep
+    started = len(emulated)  # (the copies `start` queued: the first piece, the small tensors)
 
     def failing(self, src, arena, fresh):
-        if len(emulated) == fail_at:
+        if len(emulated) == started + fail_at:
             raise RuntimeError("injected: pinned arena exhausted")
         return keep(self, src, arena, fresh)
 

@@ -103,16 +103,18 @@ class Backup:
             self.start()
 
     def run(self, arena=None, stream=None) -> None:
-        """Make the copies planned by `capture`. Small tensors (scales) go first, in one
-        batched copy per dtype; then each module's reloaded slots of its big weights, one
-        copy per run of adjacent slots (a view: no gather, no index to send to the
-        device). With `arena` (host backups of a GPU model) they go into its pinned
-        memory as async device-to-host copies. With `stream` they run there in the order
-        the commit writes (`written`), an event per module or piece (`event_for`) telling
-        the writes when they may start, and are queued as the commit asks for those
-        events, `LOOKAHEAD` bytes ahead: the commit's first copies need not wait for the
-        host to queue the whole backup. Otherwise the current stream orders them all,
-        now, before the writes."""
+        """Make the copies planned by `capture`. Small tensors (scales), in one batched copy
+        per dtype, and each module's reloaded slots of its big weights, one copy per run of
+        adjacent slots (a view: no gather, no index to send to the device). With `arena`
+        (host backups of a GPU model) they go into its pinned memory as async
+        device-to-host copies. With `stream` they run there in the order the commit writes
+        (`written`), an event per module or piece (`event_for`) telling the writes when
+        they may start, and are queued as the commit asks for those events, `LOOKAHEAD`
+        bytes ahead: the commit's first copies need not wait for the host to queue the
+        whole backup. The first piece goes before the small tensors there: their cat costs
+        ~1 ms of host time on the H200, and a full reload with a host backup waits for the
+        link's device-to-host direction. Otherwise the current stream orders them all,
+        small ones first, now, before the writes."""
         small, big = self._plan(by_piece=stream is not None)
         sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
         sizes += [_piece_bytes(t, r) for _, t, r, _ in big]
@@ -126,14 +128,19 @@ class Backup:
             for k, (module, _, _, ends) in enumerate(big):  # (a module's last copy: its own event)
                 self.due.update(((id(module), slot), k) for slot in [*ends, None])
             self.marks = set(self.due.values())
+        head = 0
+        if stream is not None and big:  # the first piece leads: the commit's first writes wait for
+            self._queue(min(self.marks), ahead=0, record=False)  # it, the small tensors' last
+            head = self.next
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for tensors in small.values():
                 self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena,
                                                        fresh=True)))
-            if stream is not None:
+            if stream is not None:  # (the first piece's events are this one: the small copies follow it)
                 first = torch.cuda.Event()
                 first.record(stream)
                 self.events = {id(module): first for module, *_ in self.pending}
+                self.recorded.update((k, first) for k in self.marks if k < head)
         self.pending = []
         self._queue(-1 if stream is not None else len(big))
 
@@ -150,17 +157,18 @@ class Backup:
         if self.stream is not None:
             torch.cuda.current_stream(self.stream.device).wait_stream(self.stream)
 
-    def _queue(self, upto: int) -> None:
-        """Queue the planned copies up to index `upto`, and `LOOKAHEAD` bytes beyond."""
-        ahead = 0
+    def _queue(self, upto: int, ahead: int | None = None, record: bool = True) -> None:
+        """Queue the planned copies up to index `upto`, and `ahead` bytes beyond (default
+        `LOOKAHEAD`); `record`: their events too (else the caller records them)."""
+        ahead, queued = LOOKAHEAD if ahead is None else ahead, 0
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
-            while self.next < len(self.todo) and (self.next <= upto or ahead < LOOKAHEAD):
+            while self.next < len(self.todo) and (self.next <= upto or queued < ahead):
                 _, tensor, run, _ = self.todo[self.next]
                 piece = _piece(tensor, run)
                 self.big.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
                 if self.next > upto:
-                    ahead += piece.numel() * piece.element_size()
-                if self.next in self.marks:
+                    queued += piece.numel() * piece.element_size()
+                if record and self.next in self.marks:
                     self.recorded[self.next] = event = torch.cuda.Event()
                     event.record(self.stream)
                 self.next += 1
