@@ -129,8 +129,8 @@ class Backup:
                 self.due.update(((id(module), slot), k) for slot in [*ends, None])
             self.marks = set(self.due.values())
         head = 0
-        if stream is not None and big:  # the first piece leads: the commit's first writes wait for
-            self._queue(min(self.marks), ahead=0, record=False)  # it, the small tensors' last
+        if stream is not None and big:  # the first piece before the small tensors (the commit's
+            self._queue(min(self.marks), ahead=0, record=False)  # first writes wait for it)
             head = self.next
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for tensors in small.values():
