@@ -205,6 +205,30 @@ def test_targets_follow_a_replaced_parameter(ckpts, tmp_path):
     assert fr.compare_states(_expected(ckpts, "fp8", {1: [0, 3]}, tmp_path), fr.snapshot(model)) == []
 
 
+def test_a_modules_state_reads_attributes_as_getattr_would():
+    """The kept plans' module check reads `quant_method` and `expert_slots` without
+    `Module.__getattr__`'s raised miss, and finds them wherever getattr would: the
+    instance, a property, a submodule, a class's own `__getattr__`; None where it would not."""
+    from fp8_reload.reload.targets import _attr
+
+    class Prop(torch.nn.Module):
+        quant_method = property(lambda self: "from a property")
+
+    class Forwarding(torch.nn.Module):
+        def __getattr__(self, name):
+            if name == "quant_method":
+                return "forwarded"
+            return super().__getattr__(name)
+
+    plain, sub = torch.nn.Linear(2, 2), torch.nn.Module()
+    plain.expert_slots = {0: [1]}
+    sub.quant_method = torch.nn.Identity()
+    for module in (plain, Prop(), sub, Forwarding(), torch.nn.LayerNorm(2)):
+        for name in ("quant_method", "expert_slots"):
+            assert _attr(module, name) is getattr(module, name, None), (type(module).__name__, name)
+    assert _attr(Forwarding(), "quant_method") == "forwarded"
+
+
 def test_targets_are_planned_once_per_model_across_checkpoints(ckpts, tiny_cfg, tmp_path):
     """Where a tensor lands depends on the model, not on the files: a reload from new
     files (RL weight sync writes new ones every step) reuses the views planned before,
