@@ -6,12 +6,13 @@ Per checkpoint kind (v2-lite:4, page-cached, shards registered), the 4th of four
 full reloads with the backup on the host, then on the device: when each instrumented
 step started and how long it ran (ms from the reload's start, the thread it ran on), runs
 of the same per-chunk step merged. The steps: planning, registration, `prepare`, the
-backup's capture, plan, start and queueing, each chunk's copy in (`_to_slot`) and writes
-(`_write_out`, `_quantize_chunk`), the loaders' read (`_read_checked`, on its own thread),
-post-processing. `--filtered`: reloads of one expert per MoE layer (EPLB's step, issue 13's
-"<= 3 ms"), with the commit's own steps too (the copy tables, the value checks, the
-backup's completion) and the wall time to the device's end. torch.profiler's own work
-inflates these several times (`trace_reload.py`).
+backup's capture, plan (`kept_plan`), begin, start and queueing, each chunk's copy in
+(`_to_slot`) and writes (`_write_out`, `_quantize_chunk`), the loaders' read
+(`_read_checked`, on its own thread), post-processing. `--filtered`: reloads of one
+expert per MoE layer (EPLB's step, issue 13's "<= 3 ms"), with the commit's own steps
+too (the copy tables, the value checks, the backup's completion) and the wall time to
+the device's end. torch.profiler's own work inflates these several times
+(`trace_reload.py`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ import fp8_reload.reload.to_device as td  # noqa: E402
 import fp8_reload.reload.transaction as tx  # noqa: E402
 from fp8_reload.checkpoint import Checkpoint, ensure_checkpoint  # noqa: E402
 
-STEPS = ((bk.Backup, "start"), (bk.Backup, "_plan"), (bk.Backup, "_queue"), (td, "_to_slot"),
-         (td, "_write_out"), (td, "_quantize_chunk"), (st, "_read_checked"), (st, "commit"),
+STEPS = ((bk.Backup, "start"), (bk, "kept_plan"), (bk.Backup, "begin"), (bk.Backup, "_queue"),
+         (td, "_to_slot"), (td, "_write_out"), (td, "_quantize_chunk"), (st, "_read_checked"), (st, "commit"),
          (tx, "process_modules"), (tx, "prepare"), (tx, "capture_backup"), (tx, "registered_files"),
          (tx, "plan_reload"), (tx, "synchronize"), (tx, "open_checkpoint"), (tx, "registered_now"),
          (tx, "checkpoint_stamp"), (tx, "release_dropped"), (td, "commit_cuda"), (td.RowTables, "get"),

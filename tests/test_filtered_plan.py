@@ -272,8 +272,8 @@ def test_a_fresh_load_leaves_its_parse_and_plan_to_the_first_reload(ckpts, monke
 
 def test_what_a_kept_full_plan_derives_is_kept_with_it(ckpts):
     """A repeated full reload reuses its kept plan, and with it what the reload derives
-    from the plan's names (the slots its backup covers, the modules' order, the experts
-    it reports); experts moved to other slots replan, and derive anew."""
+    from the plan's names (the slots its backup covers, the modules' order, the backup's
+    copies, the experts it reports); experts moved to other slots replan, and derive anew."""
     from fp8_reload.reload.plan import target_cache
 
     model = fr.load_model(ckpts["fp8", 0])
@@ -284,7 +284,7 @@ def test_what_a_kept_full_plan_derives_is_kept_with_it(ckpts):
     cache = target_cache(model)
     (kept_names, derived), = cache.derived.values()
     chunks_key = ("chunks", chunks_mod.CHUNK_BYTES, chunks_mod.READ_IO)
-    kept = {"backup_slots", "order", "experts", "kinds", chunks_key}
+    kept = {"backup_slots", "order", "backup_order", "backup_plan", "experts", "kinds", chunks_key}
     assert kept <= set(derived) <= kept | {"all_checked"}  # (the last once every value is checked)
     assert any(kept[0] is kept_names for kept in cache.full.values())
     # (the files and bytes the GPU path asks the registrations for, each reload: kept too)

@@ -21,6 +21,7 @@ import torch
 import fp8_reload as fr
 import fp8_reload.checkpoint.registered as registered_mod
 import fp8_reload.reload.backup as bk
+import fp8_reload.reload.backup_plan as bplan
 import fp8_reload.reload.chunks as chunks_mod
 import fp8_reload.reload.stream as stream_mod
 import fp8_reload.reload.to_device as to_device
@@ -50,6 +51,9 @@ class _Deferred:
 
     def wait_stream(self, other):  # (nothing is deferred on the streams it follows)
         pass
+
+    def synchronize(self):
+        self.run()
 
 
 class _Now:
@@ -141,10 +145,10 @@ class _HostCopy:  # a "registered" shard: its bytes in host memory, read by the 
         self.view, self.piece = torch.from_numpy(np.fromfile(path, dtype=np.uint8)), None
 
 
-def _setup(monkeypatch, registered, small=bk.SMALL_BYTES, lookahead=0, chunk=4096):
+def _setup(monkeypatch, registered, small=bplan.SMALL_BYTES, lookahead=0, chunk=4096):
     """Every shard "registered" (the commit's direct path: the backup starts at its first
     write, queued as the writes ask) or none (the ring: queued whole while it reads)."""
-    monkeypatch.setattr(bk, "SMALL_BYTES", small)
+    monkeypatch.setattr(bplan, "SMALL_BYTES", small)
     monkeypatch.setattr(bk, "LOOKAHEAD", lookahead)
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", chunk)
     if registered:
@@ -171,9 +175,10 @@ def _fail_processing(monkeypatch):
 
 SPECS = {"full": None, "two-layers": {1: [0, 3], 2: [5, 7]}, "one-expert": {2: [7]},
          "attention-only": lambda n: ".layers.0.self_attn." in n, "layer-1": lambda n: ".layers.1." in n}
+SMALL = bplan.SMALL_BYTES
 KNOBS = [  # (SMALL_BYTES, LOOKAHEAD, CHUNK_BYTES, postprocess_all, backup)
-    (bk.SMALL_BYTES, 0, 4096, False, "host"), (0, 0, 4096, False, "host"), (1 << 40, 0, 4096, True, "host"),
-    (bk.SMALL_BYTES, 1 << 30, 1 << 20, True, "device"), (0, 4096, 8192, True, "device"),
+    (SMALL, 0, 4096, False, "host"), (0, 0, 4096, False, "host"), (1 << 40, 0, 4096, True, "host"),
+    (SMALL, 1 << 30, 1 << 20, True, "device"), (0, 4096, 8192, True, "device"),
     (1 << 40, 1 << 30, 1 << 20, False, "device")]
 
 
@@ -215,24 +220,30 @@ def test_a_rollback_after_the_commit_restores_every_byte(ckpts, deferred, monkey
     assert not fr.compare_states(fr.snapshot(fr.load_model(want, **moe)), fr.snapshot(model))
 
 
-@pytest.mark.parametrize("where, small", [(w, s) for s in (bk.SMALL_BYTES, 0)
+@pytest.mark.parametrize("where, small", [(w, s) for s in (bplan.SMALL_BYTES, 0)
                                           for w in ("keep1", "keep2", "cat", "keep9", "keep30")
                                           if w != "cat" or s])  # (no small tensors: no cat)
 @pytest.mark.parametrize("registered", [True, False], ids=["direct", "ring"])
 @pytest.mark.parametrize("backup", ["host", "device"])
 def test_a_backup_failing_while_it_starts_or_runs_restores_the_model(ckpts, deferred, monkeypatch, where,
                                                                     small, registered, backup):
-    """The backup fails inside the first piece's copies (keep1, keep2: in `start`, asked for
-    by the commit), inside the small tensors' cat, or later, mid-commit: `copies` covers
-    every write queued before; the model is as it was, and reloads again."""
+    """The backup fails inside the first piece's copies or the small tensors' cat (keep1,
+    keep2, cat: queued by `begin` before the weights lock, so nothing is written: a plain
+    `ReloadError`, no commit), or later, mid-commit: `copies` covers every write queued
+    before; the model is as it was, and reloads again."""
     _setup(monkeypatch, registered, small)
     deferred.fail_cat, deferred.fail_keep = where == "cat", None if where == "cat" else int(where[4:])
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-    with pytest.raises(fr.CommitError, match="injected"):
+    with pytest.raises(fr.ReloadError, match="injected") as info:
         fr.update_weights_from_disk(model, ckpts["fp8", 1], backup=backup)
     (saved,) = deferred.made
-    assert saved.started and (where not in ("keep1", "cat") or not saved.recorded)  # (before any event)
+    committed = isinstance(info.value, fr.CommitError)
+    assert committed == saved.started and saved.begun
+    assert committed == (where not in ("keep1", "cat")) or where == "keep2"  # (keep2: either)
+    assert committed or "before anything was written" in str(info.value)
+    assert not saved.recorded or where not in ("keep1", "cat")  # (before any event)
+    assert deferred.done == len(deferred.todo)  # (settled: nothing queued is left running)
     assert not unchanged(model, before)
     deferred.fail_keep, deferred.fail_cat = None, False
     fr.update_weights_from_disk(model, ckpts["fp8", 1], backup=backup)

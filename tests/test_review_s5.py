@@ -17,6 +17,7 @@ import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.backup as bk
+import fp8_reload.reload.backup_plan as bplan
 import fp8_reload.reload.chunks as chunks_mod
 from fp8_reload.layers import FusedMoE
 from fp8_reload.reload.chunks import make_chunks
@@ -71,7 +72,7 @@ def _sources(backup, queued) -> list[tuple[int, int, int]]:
     for tensor, run, copy in backup.copies:
         k = next(k for k, q in enumerate(queued)
                  if q.data_ptr() <= copy.data_ptr() < q.data_ptr() + q.numel() * q.element_size())
-        out.append((k, *_span(bk._piece(tensor, run))))
+        out.append((k, *_span(bplan.piece_of(tensor, run))))
     return out
 
 
@@ -197,7 +198,7 @@ def test_a_big_whole_tensor_of_a_pieced_moe_layer_is_backed_up_before_slot_write
     by the module's first write (it went last: `written[(module, None)]`, which a
     FusedMoE never has, its units being slots), since the quantize-on-load path writes its slot rows after
     waiting for the slot's piece only."""
-    monkeypatch.setattr(bk, "SMALL_BYTES", 0)
+    monkeypatch.setattr(bplan, "SMALL_BYTES", 0)
     monkeypatch.setattr(bk, "LOOKAHEAD", 0)
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", 4096)
     model, names, targets = _setup(ckpts, "bf16", spec, False)

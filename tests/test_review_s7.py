@@ -162,7 +162,8 @@ def test_a_fault_while_registering_shards_writes_nothing(ckpts, gpu_path, monkey
     armed = _fail_on(monkeypatch, tx, "registered_files", 0)
     with pytest.raises(fr.ReloadError, match="before anything was written.*injected"):
         fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
-    assert not unchanged(model, before) and gpu_path == []  # no backup was even taken
+    # (the backup was planned, its first piece copied before the read: never started)
+    assert not unchanged(model, before) and [saved.started for saved in gpu_path] == [False]
     armed[0] = False
     fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
     if flt is None:
@@ -198,9 +199,9 @@ def test_the_ring_queues_the_whole_backup_before_its_first_write(ckpts, gpu_path
     fr.update_weights_from_disk(model, ckpts[kind, 1], flt)
     if readers == "threads":
         assert seen and all(queued == total > 0 for queued, total in seen), seen
-    else:  # started by the first chunk's writes (on demand), none of it queued before
-        (saved,) = gpu_path
-        assert seen and seen[0][0] == 0 and saved.next == len(saved.todo) > 0, seen
+    else:  # started by the first chunk's writes (on demand): before, only the first piece
+        (saved,) = gpu_path  # (queued by `begin`, before the weights lock)
+        assert seen and seen[0][0] == min(saved.marks) + 1 and saved.next == len(saved.todo) > 0, seen
     want = ckpts[kind, 1] if flt is None else mix_checkpoints(ckpts[kind, 0], ckpts[kind, 1],
                                                               tmp_path / "mixed", flt)
     diffs = fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))

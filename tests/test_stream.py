@@ -411,6 +411,7 @@ def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, mo
     commit writes them (then any others), each piece both weights, its slots named on its
     last copy: each write waits for its own piece, not for the whole layer."""
     import fp8_reload.reload.backup as backup_mod
+    import fp8_reload.reload.backup_plan as backup_plan
 
     model = fr.load_model(ckpts["fp8", 0])
     layer = next(m for _, m in model.named_modules() if isinstance(m, fr.FusedMoE))
@@ -421,7 +422,7 @@ def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, mo
     backup = backup_mod.Backup()
     for k, slot in enumerate([5, 4, 0, 1, 7]):  # the rest (2, 3, 6) come after, in order
         backup.written[id(layer), slot] = k
-    pieces = backup._pieces(layer, [w13, w2], None)
+    pieces = backup_plan.pieces(layer, [w13, w2], None, backup.written)
     assert [piece for piece, _ in pieces] == [[5, 4], [0, 1], [7, 2], [3, 6]]
     copies = [c for _, cs in pieces for c in cs]
     assert [ends for *_, ends in copies if ends] == [[4, 5], [0, 1], [2, 7], [3, 6]]
@@ -431,7 +432,8 @@ def test_a_moe_layer_is_backed_up_in_pieces_in_the_order_it_is_written(ckpts, mo
         (True, (2, 3)), (True, (7, 8)), (False, (2, 3)), (False, (7, 8)),
         (True, (3, 4)), (True, (6, 7)), (False, (3, 4)), (False, (6, 7))]
     # a filtered backup: only its slots, still in the order written
-    assert [piece for piece, _ in backup._pieces(layer, [w13, w2], [1, 5, 6])] == [[5, 1], [6]]
+    filtered = backup_plan.pieces(layer, [w13, w2], [1, 5, 6], backup.written)
+    assert [piece for piece, _ in filtered] == [[5, 1], [6]]
 
 
 def test_the_backup_follows_the_order_the_commit_writes_in(ckpts):

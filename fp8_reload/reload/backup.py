@@ -1,12 +1,13 @@
 """The reload's backup: everything commit may change, copied first, restored on failure.
 
 The copies are bounded by the reload: for a FusedMoE only the reloaded expert
-slots of the two big weights, everything else of a touched module whole. On a
-GPU model they go to a pinned host arena as async device-to-host copies that
-the stream orders before the commit's writes. A FusedMoE's slots are copied in
-pieces of about a chunk, in the order the commit writes them, an event each: the
-writes of a slot wait for its piece only, so the reload's host-to-device stream
-trails the backup's device-to-host one by a piece, not by a layer.
+slots of the two big weights, everything else of a touched module whole
+(`backup_plan`). On a GPU model they go to a pinned host arena as async
+device-to-host copies that the stream orders before the commit's writes. A
+FusedMoE's slots are copied in pieces of about a chunk, in the order the commit
+writes them, an event each: the writes of a slot wait for its piece only, so the
+reload's host-to-device stream trails the backup's device-to-host one by a piece,
+not by a layer. The first piece is queued before the reload reads (`begin`).
 """
 
 from __future__ import annotations
@@ -21,30 +22,17 @@ from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
 from ..quant import index_copy_
-from . import chunks
+from .backup_plan import Pending, kept_plan, piece_of
 from .filters import modules_by_name
 from .interrupts import sigint_deferred
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
-# Tensors at most this big (scales, norms' small buffers) are backed up together, one
-# batched copy per dtype: on a GPU each separate copy costs a launch, whatever its size.
-SMALL_BYTES = 1 << 16
 # How far the backup's queued copies run ahead of what the commit has asked for (bytes):
 # enough that the device-to-host stream never waits for the host.
 LOOKAHEAD = 128 << 20
 # "host": copies in CPU memory (no device memory needed); "device": copies next to
 # the weights (fast on a GPU, costs `backup_bytes` of device memory).
 BACKUP_PLACES = ("host", "device")
-
-
-def _dense_view(t: torch.Tensor) -> torch.Tensor:
-    """`t` with its dimensions permuted into memory order when that makes it contiguous
-    (a linear weight kept transposed for its kernel): copied as one span of bytes, with no
-    device-side gather into a temporary first. Restoring through the view writes `t`."""
-    if t.is_contiguous():
-        return t
-    view = t.permute(sorted(range(t.dim()), key=lambda d: -t.stride(d)))
-    return view if view.is_contiguous() else t
 
 
 class Backup:
@@ -65,12 +53,11 @@ class Backup:
         self.big: list[tuple[torch.Tensor, tuple[int, int] | None, torch.Tensor]] = []
         # (small tensors of one dtype, their copies in one flat tensor): split on restore only
         self.small: list[tuple[list[torch.Tensor], torch.Tensor]] = []
-        # (module, tensor, its slots to copy or None for all, copied by slot: a FusedMoE's weights)
-        self.pending: list[tuple[nn.Module, torch.Tensor, list[int] | None, bool]] = []
+        self.pending: list[Pending] = []  # what `capture` found to copy (`backup_plan`)
         self.nbytes = 0
         self.stream = None  # the side stream the copies ran on, if any
         self.events: dict[int, torch.cuda.Event] = {}  # id(module) -> its small copies are done
-        # the big copies planned (`_plan`), queued up to `next`; the index of the copy
+        # the big copies planned (`kept_plan`), queued up to `next`; the index of the copy
         # after which (id(module), slot or None for all of it) is backed up; their events
         self.todo, self.next, self.arena = [], 0, None
         self.due: dict[tuple[int, int | None], int] = {}
@@ -79,14 +66,34 @@ class Backup:
         # (id(module), slot or None) -> when the commit first writes it (`targets.write_order`)
         self.written: dict[tuple[int, int | None], int] = {}
         self.planned: tuple = (None, None)  # (arena, stream) `start` runs the copies with
-        self.started = False
+        # what `kept_plan` depends on, gathered by `capture` (`kept`: where it keeps the plan)
+        self.key: list = []
+        self.kept: dict | None = None
+        self.begun = self.started = False
         self.on_demand = False  # `start` at the first `event_for` (or `complete`)
         self.origin = None  # the stream the copies follow, when started on demand
 
+    def begin(self) -> None:
+        """Plan the copies `capture_backup(..., start=False)` set up and, with a side stream,
+        queue the first piece and the small tensors there now, before the weights lock: they
+        only read the weights, and a full reload with a host backup waits for the link's
+        device-to-host direction (the device synchronization under the lock waits for them
+        too: one piece, ~1 ms, about the host time from here to there)."""
+        self.begun = True
+        self._begin(*self.planned)
+
     def start(self) -> None:
-        """Run the copies `capture_backup(..., start=False)` planned."""
+        """Run the copies `capture_backup(..., start=False)` planned (those `begin` did not)."""
         self.started = True
-        self.run(*self.planned)
+        if not self.begun:
+            self.begin()
+        self._finish()
+
+    def settle(self) -> None:
+        """Wait for the copies queued so far: a reload failing before its commit leaves none
+        running into the arena (`release_staging` may free it)."""
+        if self.stream is not None:
+            self.stream.synchronize()
 
     def start_on_demand(self) -> None:
         """Start when the commit first asks for an event (a side stream orders the copies before
@@ -111,13 +118,18 @@ class Backup:
         (`written`), an event per module or piece (`event_for`) telling the writes when
         they may start, and are queued as the commit asks for those events, `LOOKAHEAD`
         bytes ahead: the commit's first copies need not wait for the host to queue the
-        whole backup. The first piece goes before the small tensors there: their cat costs
-        ~1 ms of host time on the H200, and a full reload with a host backup waits for the
-        link's device-to-host direction. Otherwise the current stream orders them all,
-        small ones first, now, before the writes."""
-        small, big = self._plan(by_piece=stream is not None)
-        sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
-        sizes += [_piece_bytes(t, r) for _, t, r, _ in big]
+        whole backup. Otherwise the current stream orders them all, small ones first, now,
+        before the writes."""
+        self._begin(arena, stream)
+        self._finish()
+
+    def _begin(self, arena, stream) -> None:
+        """`run`'s plan (kept with a kept reload plan: `capture_backup`'s memo) and its small
+        tensors' copies; on a side stream the first piece before them (their cat costs
+        ~0.6 ms of host time on the H200: the link's device-to-host direction, which a full
+        reload with a host backup waits for, starts first) and one event for both."""
+        small, big, sizes = kept_plan(self.kept, self.key, self.pending, self.written,
+                                      by_piece=stream is not None)
         self.nbytes = sum(sizes)
         if arena is not None:
             arena.reset(sum(staging.aligned(n) for n in sizes))
@@ -128,10 +140,8 @@ class Backup:
             for k, (module, _, _, ends) in enumerate(big):  # (a module's last copy: its own event)
                 self.due.update(((id(module), slot), k) for slot in [*ends, None])
             self.marks = set(self.due.values())
-        head = 0
-        if stream is not None and big:  # the first piece before the small tensors (the commit's
-            self._queue(min(self.marks), ahead=0, record=False)  # first writes wait for it)
-            head = self.next
+            if big:
+                self._queue(min(self.marks), ahead=0, record=False)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
             for tensors in small.values():
                 self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena,
@@ -140,9 +150,15 @@ class Backup:
                 first = torch.cuda.Event()
                 first.record(stream)
                 self.events = {id(module): first for module, *_ in self.pending}
-                self.recorded.update((k, first) for k in self.marks if k < head)
+                if self.marks:
+                    self.recorded[min(self.marks)] = first
         self.pending = []
-        self._queue(-1 if stream is not None else len(big))
+
+    def _finish(self) -> None:
+        """`run` after `_begin`: on a side stream `LOOKAHEAD` bytes more, else every big copy."""
+        if self.stream is not None:  # what they follow: the work queued before the commit
+            self.stream.wait_stream(self.origin or torch.cuda.current_stream(self.stream.device))
+        self._queue(-1 if self.stream is not None else len(self.todo))
 
     def queue_all(self) -> None:
         """Queue every copy now, the writes still waiting for their own piece only: while the
@@ -164,7 +180,7 @@ class Backup:
         with torch.cuda.stream(self.stream) if self.stream is not None else nullcontext():
             while self.next < len(self.todo) and (self.next <= upto or queued < ahead):
                 _, tensor, run, _ = self.todo[self.next]
-                piece = _piece(tensor, run)
+                piece = piece_of(tensor, run)
                 self.big.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
                 if self.next > upto:
                     queued += piece.numel() * piece.element_size()
@@ -172,60 +188,6 @@ class Backup:
                     self.recorded[self.next] = event = torch.cuda.Event()
                     event.record(self.stream)
                 self.next += 1
-
-    def _plan(self, by_piece: bool) -> tuple[dict, list]:
-        """(small tensors by dtype, the big copies); `by_piece`: a FusedMoE's weights in
-        pieces (`_pieces`), and the big copies in the order the commit writes them."""
-        small: dict[torch.dtype, list[torch.Tensor]] = {}
-        # (module, tensor, run of slots or None, the slots whose piece ends with this copy)
-        big: list[tuple[nn.Module, torch.Tensor, tuple[int, int] | None, list[int]]] = []
-        # per copy of `big`: when the commit first writes what it holds (a FusedMoE's whole
-        # tensors: just before its first slot, whose writes may touch their rows)
-        when: list[tuple[int, int]] = []
-        never = len(self.written)
-        first: dict[int, int] = {}  # id(module) -> its first write
-        for (mid, _), k in self.written.items():
-            first[mid] = min(k, first.get(mid, never))
-        pieced: dict[int, list[torch.Tensor]] = {}  # id(FusedMoE) -> its weights copied in pieces
-        for module, tensor, _, by_slot in self.pending:
-            if by_slot and by_piece:
-                pieced.setdefault(id(module), []).append(tensor)
-        for module, tensor, slots, by_slot in self.pending:
-            at = len(big)
-            if by_slot and id(module) in pieced:
-                if tensor is pieced[id(module)][0]:  # all of the module's pieces, in its place
-                    for piece, copies in self._pieces(module, pieced[id(module)], slots):
-                        big += copies
-                        when += [(self.written.get((id(module), piece[0]), never), 1)] * len(copies)
-                continue
-            if slots is None and tensor.numel() * tensor.element_size() <= SMALL_BYTES:
-                small.setdefault(tensor.dtype, []).append(tensor)
-            elif slots is None:
-                big.append((module, _dense_view(tensor), None, []))
-            else:
-                big += [(module, tensor, run, []) for run in _runs(slots)]
-            when += [(first.get(id(module), never), 0)] * (len(big) - at)
-        if by_piece:  # in the order the commit writes: each write waits for its own
-            big = [big[k] for k in sorted(range(len(big)), key=when.__getitem__)]
-        return small, big
-
-    def _pieces(self, module: FusedMoE, tensors: list[torch.Tensor], slots: list[int] | None) -> list:
-        """[(piece, copies)]: a FusedMoE's expert weights at `slots` (None: all), about
-        `CHUNK_BYTES` a piece, the slots taken in the order the commit writes them
-        (`written`, then any others); a piece is its slots in that order, its copies both
-        weights, one copy per run of adjacent slots, the last one naming the piece's slots."""
-        todo = range(module.num_local_experts) if slots is None else slots
-        never = len(self.written)
-        order = sorted(todo, key=lambda s: (self.written.get((id(module), s), never), s))
-        per_slot = sum(t[0].numel() * t.element_size() for t in tensors)
-        size = max(1, chunks.CHUNK_BYTES // max(per_slot, 1))
-        out = []
-        for at in range(0, len(order), size):
-            piece = order[at:at + size]
-            copies = [(module, t, run, []) for t in tensors for run in _runs(sorted(piece))]
-            copies[-1] = (*copies[-1][:3], sorted(piece))
-            out.append((piece, copies))
-        return out
 
     def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
         """The backup copy of `src` (`fresh`: a new tensor nothing else holds)."""
@@ -274,14 +236,17 @@ class Backup:
         if isinstance(module, FusedMoE):
             state["loaded_experts"] = set(module.loaded_experts)
         self.modules.append((module, params, buffers, datas, state))
+        self.key.append((id(module), slots if slots is None else tuple(slots)))
         for name, p in params.items():
             if p is None:
                 continue
             big = isinstance(module, FusedMoE) and name in ("w13_weight", "w2_weight")
-            self.pending.append((module, p.data, slots if big else None, big))
-        for buf in buffers.values():
+            self.pending.append((module, datas[name], slots if big else None, big))
+            self.key.append((name, id(p), p.data_ptr(), p.dtype, p.shape, p.stride()))
+        for name, buf in buffers.items():
             if buf is not None:
                 self.pending.append((module, buf, None, False))
+                self.key.append((name, id(buf), buf.data_ptr(), buf.dtype, buf.shape, buf.stride()))
 
     def restore(self) -> None:
         """Objects and small state first (cannot fail), then the bytes."""
@@ -304,37 +269,17 @@ class Backup:
                     index_copy_(tensor, 0, torch.arange(*run, device=tensor.device), copy.to(tensor.device))
 
 
-def _runs(slots: list[int]) -> list[tuple[int, int]]:
-    """Sorted slots as [start, end) runs of adjacent ones."""
-    runs: list[tuple[int, int]] = []
-    for s in slots:
-        if runs and runs[-1][1] == s:
-            runs[-1] = (runs[-1][0], s + 1)
-        else:
-            runs.append((s, s + 1))
-    return runs
-
-
-def _piece(tensor: torch.Tensor, run: tuple[int, int] | None) -> torch.Tensor:
-    return tensor if run is None else tensor[run[0]:run[1]]
-
-
-def _piece_bytes(tensor: torch.Tensor, run: tuple[int, int] | None) -> int:
-    """The bytes of `_piece(tensor, run)`, without making the view."""
-    n = tensor.numel() * tensor.element_size()
-    return n if run is None else n // tensor.shape[0] * (run[1] - run[0])
-
-
 def capture_backup(model, names: list[str], process_all: bool, where: str = "host",
                    order: list[tuple[str, int | None]] | None = None, stream=None,
                    start: bool = True, memo: dict | None = None) -> Backup:
     """Back up what a reload of `names` may change. `order` is the order the commit
     writes in (`targets.write_order`: modules, and a FusedMoE's slots), so that with
     `stream` the backups it waits for finish first, a piece at a time.
-    With ``start=False`` only the plan is made; `Backup.start` runs the copies (the
-    streaming reload starts them once forwards have drained, so that waiting for the
-    forwards does not also wait for the backup). `memo`: where the slots of a kept plan's
-    `names` are kept (`TargetCache.derived_of`)."""
+    With ``start=False`` only the plan is made; `Backup.begin` queues the first piece and
+    `Backup.start` the rest (the streaming reload starts them once forwards have drained, so
+    that waiting for the forwards does not also wait for the whole backup). `memo`: where
+    what derives from a kept plan's `names` is kept (`TargetCache.derived_of`): the slots
+    backed up, the write order by module, the copies planned."""
     modules = modules_by_name(model)
     slots: dict[str, set[int]] | None = None if memo is None else memo.get("backup_slots")
     if slots is None:
@@ -347,13 +292,20 @@ def capture_backup(model, names: list[str], process_all: bool, where: str = "hos
         if memo is not None:
             memo["backup_slots"] = slots
     backup = Backup(where)
+    backup.kept = memo
     targets = set(slots)
     if process_all:
         targets |= {name for name, _ in model.quantized_modules()}
-    rank: dict[str, int] = {}
-    for k, (name, slot) in enumerate(order or ()):
-        rank.setdefault(name, k)
-        backup.written[id(modules[name]), slot] = k
+    kept = None if memo is None else memo.get("backup_order")
+    if kept is not None and kept[0] is order:
+        rank, backup.written = kept[1:]
+    else:
+        rank = {}
+        for k, (name, slot) in enumerate(order or ()):
+            rank.setdefault(name, k)
+            backup.written[id(modules[name]), slot] = k
+        if memo is not None:  # (`kept_plan` knows a kept plan by its `written`)
+            memo["backup_order"] = (order, rank, backup.written)
     for name in sorted(targets, key=lambda n: (rank.get(n, len(rank)), n)):
         module = modules[name]
         whole = (not isinstance(module, FusedMoE) or name not in slots or process_all

@@ -10,7 +10,7 @@ the model was never touched.
 from __future__ import annotations
 
 import os
-from contextlib import closing, contextmanager
+from contextlib import closing, contextmanager, suppress
 
 import torch
 
@@ -249,14 +249,18 @@ def stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_al
 
 
 @contextmanager
-def nothing_written(path):
-    """Before commit: any failure becomes a ReloadError; the model was not touched."""
+def nothing_written(path, on_failure=None):
+    """Before commit: any failure becomes a ReloadError; the model was not touched.
+    `on_failure()` runs first (its own errors dropped: the first failure is the news)."""
     try:
         yield
-    except ReloadError:
-        raise
-    except OSError as e:  # not mapped where it happened: the one mapping still applies
-        raise files.os_error(e, e.filename or path) from e
-    except Exception as e:  # e.g. MemoryError while staging
-        raise ReloadError(f"{path}: reload failed before anything was written: "
+    except BaseException as e:
+        if on_failure is not None:
+            with suppress(Exception):
+                on_failure()
+        if isinstance(e, ReloadError) or not isinstance(e, Exception):
+            raise
+        if isinstance(e, OSError):  # not mapped where it happened: the one mapping still applies
+            raise files.os_error(e, e.filename or path) from e
+        raise ReloadError(f"{path}: reload failed before anything was written: "  # e.g. MemoryError
                           f"{type(e).__name__}: {e}") from e

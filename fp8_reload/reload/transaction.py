@@ -12,7 +12,9 @@ A reload is a transaction:
    `ReloadError` subclass and the model was never touched;
 3. backup: copies (host, or device with ``backup="device"``) of what commit may
    change, bounded by the reload (the reloaded expert slots of the big MoE weights,
-   whole small tensors);
+   whole small tensors); the streaming engine plans it before step 2, and on a GPU
+   copies its first piece and small tensors while the host reads (a full reload with
+   a host backup waits for the link's device-to-host direction);
 4. commit ("wait", "load", "process", "drain"): take the weights lock exclusively
    (forwards drain, see `locks.py`), write the weights (streamed into place, or
    through the parameters' own `weight_loader`s), post-process; on a GPU the last
@@ -192,7 +194,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
         streaming = ENGINE == "stream" and not scan_all
         device = model_device(model) or torch.device("cpu")  # looked up once: a walk of the model
         cuda = device.type == "cuda"
-        with nothing_written(path):
+        saved = None  # (a backup begun before the read is settled if the read fails)
+        with nothing_written(path, on_failure=lambda: saved is not None and saved.settle()):
             with timer.phase("plan"):
                 ckpt = open_checkpoint(model, path)
                 stamp = checkpoint_stamp(ckpt)
@@ -204,6 +207,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     names = plan(model, ckpt, weight_name_filter, mode.expand_units and not scan_all)
                 # what derives from a kept full plan is kept with it
                 memo = target_cache(model).derived_of(names) if streaming else {}
+            if streaming:  # planned first: on a GPU its first piece is copied while the host reads
+                with timer.phase("backup"):
+                    if "order" not in memo:
+                        memo["order"] = write_order(targets)
+                    saved = capture_backup(model, names, process_all, backup, order=memo["order"],
+                                           stream=side_stream(device, "backup") if cuda else None,
+                                           start=False, memo=memo)
+                    saved.begin()
             with timer.phase("read"):
                 if streaming:  # scales and loader-bound tensors; the rest streams in commit
                     into = staging.arena(model, "staging") if cuda else None
@@ -218,12 +229,9 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 else:
                     staged = stage(model, ckpt, names, weight_name_filter, scan_all, stats)
                     report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
-            with timer.phase("backup"):
-                if streaming and "order" not in memo:
-                    memo["order"] = write_order(targets)
-                saved = capture_backup(model, names, process_all, backup, order=memo.get("order"),
-                                       stream=side_stream(device, "backup") if streaming and cuda else None,
-                                       start=not streaming, memo=memo)
+            if not streaming:
+                with timer.phase("backup"):
+                    saved = capture_backup(model, names, process_all, backup, memo=memo)
             report.backup_bytes = saved.nbytes
         progress = _Progress()
         with ExitStack() as held:

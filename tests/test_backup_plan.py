@@ -1,0 +1,111 @@
+"""The backup's plan kept with a kept reload plan, and its first piece begun before the read.
+
+A repeated full reload plans its backup copies once (`backup_plan.kept_plan`): the plan holds
+the tensors it copies, so it is reused only while every captured tensor is the same
+object over the same memory. On a GPU the first piece is queued before the read
+(`Backup.begin`); a reload that fails before its commit waits for it (`Backup.settle`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import fp8_reload as fr
+import fp8_reload.reload.backup_plan as bplan
+import fp8_reload.reload.transaction as tx
+
+from .conftest import unchanged
+from .test_review_s17 import _setup, deferred  # noqa: F401  (a fixture)
+
+
+@pytest.fixture
+def plans(monkeypatch) -> list:
+    """One entry per backup plan made (`backup_plan.plan_copies` called)."""
+    made, real = [], bplan.plan_copies
+    monkeypatch.setattr(bplan, "plan_copies", lambda *a: made.append(1) or real(*a))
+    return made
+
+
+def _layer(model):
+    return next(m for _, m in model.named_modules() if isinstance(m, fr.FusedMoE))
+
+
+def _files_change_at_the_end(monkeypatch) -> list:
+    """While armed (`[True]`), the stamps read after the writes differ: every write and all
+    processing are done, and the reload is rolled back (`CorruptCheckpointError`)."""
+    armed, calls, real = [True], [], tx.checkpoint_stamp
+    monkeypatch.setattr(tx, "checkpoint_stamp",
+                        lambda ckpt: (real(ckpt), armed[0] and (calls.append(1) or len(calls))))
+    return armed
+
+
+@pytest.mark.parametrize("backup", ["host", "device"])
+def test_a_repeated_full_reload_plans_its_backup_once(ckpts, plans, backup):
+    """Kept per parse, as the reload's plan is: each checkpoint's is made once."""
+    model = fr.load_model(ckpts["fp8", 0])
+    for k in (1, 1, 0, 1, 0):
+        fr.update_weights_from_disk(model, ckpts["fp8", k], backup=backup)
+    assert len(plans) == 2
+    fr.update_weights_from_disk(model, ckpts["fp8", 0], fr.generate_weight_name_filter({1: [2]}))
+    assert len(plans) == 3  # (a filtered reload's plan is its own)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], backup=backup)
+    assert len(plans) == 3 and not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])),
+                                                     fr.snapshot(model))
+
+
+@pytest.mark.parametrize("change", ["buffer replaced", "buffer viewed anew"])
+def test_a_tensor_replaced_between_reloads_is_backed_up_where_it_now_is(ckpts, monkeypatch, plans, change):
+    """The reload plan is kept (buffers are not part of it), the backup's plan is not: the
+    rollback restores the buffer the module holds now, not the one it held before."""
+    model = fr.load_model(ckpts["fp8", 0])
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # (both parses' plans kept)
+    fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    layer = _layer(model)
+    old = layer.w13_input_scale_per_expert
+    layer.w13_input_scale_per_expert = (old.clone() if change == "buffer replaced"
+                                        else old.view(-1, 1)[:, 0])  # (same memory, another view)
+    before = fr.snapshot(model)
+    armed = _files_change_at_the_end(monkeypatch)
+    with pytest.raises(fr.CorruptCheckpointError):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert len(plans) == 3 and not unchanged(model, before)
+    armed[0] = False
+    kept = layer.w13_input_scale_per_expert.clone()
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # (the rollback had bytes to undo)
+    assert not layer.w13_input_scale_per_expert.equal(kept)
+
+
+def test_the_first_piece_is_copied_before_the_weights_lock(ckpts, deferred, monkeypatch):  # noqa: F811
+    """`begin` queues the first piece and the small tensors' copies before the read; the
+    device synchronization under the weights lock (here: running the deferred stream)
+    finds those queued, and nothing else."""
+    _setup(monkeypatch, registered=True)
+    model = fr.load_model(ckpts["fp8", 0])
+    queued, real = [], tx.synchronize
+    monkeypatch.setattr(tx, "synchronize", lambda *a: queued.append(len(deferred.todo)) or real(*a))
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    (saved,) = deferred.made
+    # (here each small dtype queues its cat and its copy; the drain's synchronization comes after)
+    assert queued[0] == min(saved.marks) + 1 + 2 * len(saved.small) and saved.small and saved.marks
+    assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))
+
+
+def test_a_read_failing_after_the_first_piece_settles_it(ckpts, deferred, monkeypatch):  # noqa: F811
+    """The read fails once the first piece is queued: nothing was written, the copy is
+    waited for (it writes into the arena the next reload reuses), the next reload works."""
+    _setup(monkeypatch, registered=True)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+
+    def prepare(*a, **kw):
+        assert len(deferred.todo) > deferred.done == 0  # (queued, not run)
+        raise OSError(5, "injected read error")
+
+    real = tx.prepare
+    monkeypatch.setattr(tx, "prepare", prepare)
+    with pytest.raises(fr.ReloadError, match="injected"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert deferred.done == len(deferred.todo) > 0 and not unchanged(model, before)
+    monkeypatch.setattr(tx, "prepare", real)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))
