@@ -11,10 +11,11 @@ from __future__ import annotations
 import pytest
 
 import fp8_reload as fr
+import fp8_reload.reload.backup as bk
 import fp8_reload.reload.backup_plan as bplan
 import fp8_reload.reload.transaction as tx
 
-from .conftest import unchanged
+from .conftest import mix_checkpoints, unchanged
 from .test_review_s17 import _setup, deferred  # noqa: F401  (a fixture)
 
 
@@ -75,19 +76,32 @@ def test_a_tensor_replaced_between_reloads_is_backed_up_where_it_now_is(ckpts, m
     assert not layer.w13_input_scale_per_expert.equal(kept)
 
 
-def test_the_first_piece_is_copied_before_the_weights_lock(ckpts, deferred, monkeypatch):  # noqa: F811
-    """`begin` queues the first piece and the small tensors' copies before the read; the
-    device synchronization under the weights lock (here: running the deferred stream)
-    finds those queued, and nothing else."""
-    _setup(monkeypatch, registered=True)
+@pytest.mark.parametrize("how", ["full, registered", "full, ring", "filtered, registered"])
+def test_the_weights_are_taken_first_only_when_the_reload_is_the_transfer(ckpts, deferred, monkeypatch,  # noqa: F811
+                                                                           tmp_path, how):
+    """A full reload from registered shards takes the weights lock (and synchronizes the
+    device) before the backup begins: nothing to read on the host, both directions of the
+    link start at once. Otherwise the lock waits for the reads, and `begin` queues the first
+    piece and the small tensors before it: the synchronization under the lock (here:
+    running the deferred stream) finds those queued, and nothing else."""
+    _setup(monkeypatch, registered=how.endswith("registered"))
     model = fr.load_model(ckpts["fp8", 0])
-    queued, real = [], tx.synchronize
-    monkeypatch.setattr(tx, "synchronize", lambda *a: queued.append(len(deferred.todo)) or real(*a))
-    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    log, sync, begin = [], tx.synchronize, bk.Backup.begin
+    queued = deferred.todo
+    monkeypatch.setattr(tx, "synchronize", lambda *a: log.append(("sync", len(queued))) or sync(*a))
+    monkeypatch.setattr(bk.Backup, "begin", lambda self: log.append(("begin", len(queued))) or begin(self))
+    flt = fr.generate_weight_name_filter({1: [2], 2: [5]}) if how.startswith("filtered") else None
+    fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
     (saved,) = deferred.made
-    # (here each small dtype queues its cat and its copy; the drain's synchronization comes after)
-    assert queued[0] == min(saved.marks) + 1 + 2 * len(saved.small) and saved.small and saved.marks
-    assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))
+    assert len(log) == 3 and log[2][0] == "sync"  # (the drain's, last)
+    if how == "full, registered":
+        assert log[:2] == [("sync", 0), ("begin", 0)]
+    else:  # (here each small dtype queues its cat and its copy)
+        assert log[:2] == [("begin", 0), ("sync", min(saved.marks) + 1 + 2 * len(saved.small))]
+        assert saved.small and saved.marks
+    want = ckpts["fp8", 1] if flt is None else mix_checkpoints(ckpts["fp8", 0], ckpts["fp8", 1],
+                                                               tmp_path / "mixed", flt)
+    assert not fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))
 
 
 def test_a_read_failing_after_the_first_piece_settles_it(ckpts, deferred, monkeypatch):  # noqa: F811

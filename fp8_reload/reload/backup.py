@@ -98,12 +98,17 @@ class Backup:
     def start_on_demand(self) -> None:
         """Start when the commit first asks for an event (a side stream orders the copies before
         each write): its first host-to-device copies, queued before that, start the link while
-        the host queues the backup (~2 ms for a full reload of v2-lite:4), not after it."""
+        the host queues the backup, not after it. Begun, the next piece is queued now."""
         if self.planned[1] is None:  # no side stream: the writes are not told to wait
             self.start()
-        else:  # what the copies must follow: the work queued before the commit, not the
-            self.origin = torch.cuda.current_stream(self.planned[1].device)  # commit's own
-            self.on_demand = True
+            return
+        # what the copies must follow: the work queued before the commit, not the commit's own
+        self.origin = torch.cuda.current_stream(self.planned[1].device)
+        self.on_demand = True
+        later = [k for k in self.marks if k >= self.next]
+        if self.begun and later:  # the next piece now: the link's device-to-host direction
+            self.stream.wait_stream(self.origin)  # runs on while the commit's first copies queue
+            self._queue(min(later), ahead=0)
 
     def _start_if_asked(self) -> None:  # (`start_on_demand` put the start off until now)
         if self.on_demand and not self.started:
@@ -128,22 +133,18 @@ class Backup:
         tensors' copies; on a side stream the first piece before them (their cat costs
         ~0.6 ms of host time on the H200: the link's device-to-host direction, which a full
         reload with a host backup waits for, starts first) and one event for both."""
-        small, big, sizes = kept_plan(self.kept, self.key, self.pending, self.written,
-                                      by_piece=stream is not None)
-        self.nbytes = sum(sizes)
+        plan = kept_plan(self.kept, self.key, self.pending, self.written, by_piece=stream is not None)
+        self.nbytes = sum(plan.sizes)
         if arena is not None:
-            arena.reset(sum(staging.aligned(n) for n in sizes))
-        self.arena, self.todo, self.next = arena, big, 0
+            arena.reset(sum(staging.aligned(n) for n in plan.sizes))
+        self.arena, self.todo, self.next = arena, plan.big, 0
         if stream is not None:
             stream.wait_stream(self.origin or torch.cuda.current_stream(stream.device))
-            self.stream = stream
-            for k, (module, _, _, ends) in enumerate(big):  # (a module's last copy: its own event)
-                self.due.update(((id(module), slot), k) for slot in [*ends, None])
-            self.marks = set(self.due.values())
-            if big:
+            self.stream, self.due, self.marks = stream, plan.due, plan.marks  # (only read)
+            if plan.big:
                 self._queue(min(self.marks), ahead=0, record=False)
         with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for tensors in small.values():
+            for tensors in plan.small.values():
                 self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena,
                                                        fresh=True)))
             if stream is not None:  # (the first piece's events are this one: the small copies follow it)

@@ -8,6 +8,8 @@ full reload plans the same copies again: `kept_plan` keeps them with its kept pl
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -23,9 +25,19 @@ Pending = tuple[nn.Module, torch.Tensor, "list[int] | None", bool]
 Copy = tuple[nn.Module, torch.Tensor, "tuple[int, int] | None", list]
 
 
+class Copies(NamedTuple):
+    small: dict  # dtype -> the small tensors copied together
+    big: list[Copy]  # in the order they are queued
+    sizes: list[int]  # bytes: each batch of small tensors, then each big copy
+    # with a side stream: (id(module), slot or None for all of it) -> the index of the big
+    # copy after which it is backed up (a module's last copy, a piece's); their indices
+    due: dict[tuple[int, int | None], int]
+    marks: set[int]
+
+
 def kept_plan(kept: dict | None, key: list, pending: list[Pending], written: dict,
-              by_piece: bool) -> tuple[dict, list[Copy], list[int]]:
-    """`plan_copies` and the copies' sizes, kept in `kept` (a kept reload plan's memo,
+              by_piece: bool) -> Copies:
+    """`plan_copies`, the copies' sizes and events, kept in `kept` (a kept reload plan's memo,
     `TargetCache.derived_of`) while `key` holds (every captured tensor the same object over
     the same memory, `Backup.capture`) and `written` is the same dict: planning took
     0.4-0.85 ms of host time on the H200 before a repeated full reload's first backup copy.
@@ -38,9 +50,14 @@ def kept_plan(kept: dict | None, key: list, pending: list[Pending], written: dic
     small, big = plan_copies(pending, written, by_piece)
     sizes = [sum(t.numel() for t in ts) * ts[0].element_size() for ts in small.values()]
     sizes += [piece_bytes(t, r) for _, t, r, _ in big]
+    due: dict[tuple[int, int | None], int] = {}
+    if by_piece:
+        for k, (module, _, _, ends) in enumerate(big):  # (a module's last copy: its own event)
+            due.update(((id(module), slot), k) for slot in [*ends, None])
+    plan = Copies(small, big, sizes, due, set(due.values()))
     if kept is not None:
-        kept["backup_plan"] = (key, written, (small, big, sizes))
-    return small, big, sizes
+        kept["backup_plan"] = (key, written, plan)
+    return plan
 
 
 def plan_copies(pending: list[Pending], written: dict, by_piece: bool) -> tuple[dict, list[Copy]]:
