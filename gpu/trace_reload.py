@@ -79,6 +79,16 @@ def summarize(prof, label: str, wall_ms: float, lines: list[str]) -> None:
                     lo, hi = i * width, (i + 1) * width
                     busy[i] += max(0, min(b, hi) - max(a, lo))
         lines.append(f"  stream {stream:>3}: " + "".join(str(min(9, int(10 * x / width))) for x in busy))
+    for stream in sorted({k[0] for k in per}):  # where a stream idles between its first and last op
+        evs = sorted((e for (s, _), es in per.items() if s == stream for e in es),
+                     key=lambda e: e.time_range.start)
+        gaps = [(b.time_range.start - a.time_range.end, a.time_range.end - t0) for a, b in zip(evs, evs[1:])]
+        gaps = sorted((g for g in gaps if g[0] > 5), reverse=True)
+        if gaps:
+            top = ", ".join(f"{g:.0f} us at {at / 1e3:.2f} ms" for g, at in gaps[:4])
+            idle = sum(g for g, _ in gaps) / 1e3
+            lines.append(f"  stream {stream:>3} idle: {len(gaps)} gaps > 5 us, {idle:.2f} ms in all; "
+                         f"longest {top}")
     lines.append("host CUDA API: " + _top(host, ("cu",), 8))
     lines.append("host ops/ranges (inclusive): " + _top(host, ("aten::", "fp8_reload"), 10))
     lines.append("")

@@ -82,8 +82,8 @@ def test_the_weights_are_taken_first_only_when_the_reload_is_the_transfer(ckpts,
     """A full reload from registered shards takes the weights lock (and synchronizes the
     device) before the backup begins: nothing to read on the host, both directions of the
     link start at once. Otherwise the lock waits for the reads, and `begin` queues the first
-    piece and the small tensors before it: the synchronization under the lock (here:
-    running the deferred stream) finds those queued, and nothing else."""
+    piece before it: the synchronization under the lock (here: running the deferred
+    stream) finds that queued, and nothing else."""
     _setup(monkeypatch, registered=how.endswith("registered"))
     model = fr.load_model(ckpts["fp8", 0])
     log, sync, begin = [], tx.synchronize, bk.Backup.begin
@@ -96,9 +96,8 @@ def test_the_weights_are_taken_first_only_when_the_reload_is_the_transfer(ckpts,
     assert len(log) == 3 and log[2][0] == "sync"  # (the drain's, last)
     if how == "full, registered":
         assert log[:2] == [("sync", 0), ("begin", 0)]
-    else:  # (here each small dtype queues its cat and its copy)
-        assert log[:2] == [("begin", 0), ("sync", min(saved.marks) + 1 + 2 * len(saved.small))]
-        assert saved.small and saved.marks
+    else:
+        assert log[:2] == [("begin", 0), ("sync", min(saved.marks) + 1)] and saved.small
     want = ckpts["fp8", 1] if flt is None else mix_checkpoints(ckpts["fp8", 0], ckpts["fp8", 1],
                                                                tmp_path / "mixed", flt)
     assert not fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))
@@ -123,3 +122,22 @@ def test_a_read_failing_after_the_first_piece_settles_it(ckpts, deferred, monkey
     monkeypatch.setattr(tx, "prepare", real)
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["direct", "ring"])
+def test_the_pieces_queued_before_the_small_copies_share_their_event(ckpts, deferred, monkeypatch,  # noqa: F811
+                                                                      registered):
+    """Two layers, one expert each, a piece each: the first piece is queued by `begin`, the
+    second as the commit starts, both before the small tensors' cat, without events of their
+    own: `_finish` gives every piece queued so far the one recorded after the cat (the
+    second layer's scales are in it). Then the rollback undoes every write."""
+    _setup(monkeypatch, registered, chunk=1 << 20)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    flt = fr.generate_weight_name_filter({1: [2], 2: [5]})
+    monkeypatch.setattr(tx, "process_modules", lambda *a: 1 / 0)
+    with pytest.raises(fr.CommitError, match="ZeroDivision"):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1], flt)
+    (saved,) = deferred.made
+    first, second = sorted(saved.marks)[:2]
+    assert saved.recorded[first] is saved.recorded[second] and not unchanged(model, before)

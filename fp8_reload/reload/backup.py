@@ -60,6 +60,7 @@ class Backup:
         # the big copies planned (`kept_plan`), queued up to `next`; the index of the copy
         # after which (id(module), slot or None for all of it) is backed up; their events
         self.todo, self.next, self.arena = [], 0, None
+        self.small_todo: dict = {}  # dtype -> the small tensors `_finish` copies together
         self.due: dict[tuple[int, int | None], int] = {}
         self.marks: set[int] = set()
         self.recorded: dict[int, torch.cuda.Event] = {}
@@ -75,10 +76,10 @@ class Backup:
 
     def begin(self) -> None:
         """Plan the copies `capture_backup(..., start=False)` set up and, with a side stream,
-        queue the first piece and the small tensors there now, before the weights lock: they
-        only read the weights, and a full reload with a host backup waits for the link's
-        device-to-host direction (the device synchronization under the lock waits for them
-        too: one piece, ~1 ms, about the host time from here to there)."""
+        queue the first piece there now, before the reload reads: it only reads the weights,
+        and a full reload with a host backup waits for the link's device-to-host direction
+        (a device synchronization under the weights lock taken after it waits for it too:
+        one piece, ~1 ms, about the host time from here to there)."""
         self.begun = True
         self._begin(*self.planned)
 
@@ -106,9 +107,9 @@ class Backup:
         self.origin = torch.cuda.current_stream(self.planned[1].device)
         self.on_demand = True
         later = [k for k in self.marks if k >= self.next]
-        if self.begun and later:  # the next piece now: the link's device-to-host direction
-            self.stream.wait_stream(self.origin)  # runs on while the commit's first copies queue
-            self._queue(min(later), ahead=0)
+        if self.begun and later:  # the next piece now: the link's device-to-host direction runs
+            self.stream.wait_stream(self.origin)  # on while the commit's first copies queue (its
+            self._queue(min(later), ahead=0, record=False)  # events: `_finish`'s, as the first's)
 
     def _start_if_asked(self) -> None:  # (`start_on_demand` put the start off until now)
         if self.on_demand and not self.started:
@@ -129,37 +130,39 @@ class Backup:
         self._finish()
 
     def _begin(self, arena, stream) -> None:
-        """`run`'s plan (kept with a kept reload plan: `capture_backup`'s memo) and its small
-        tensors' copies; on a side stream the first piece before them (their cat costs
-        ~0.6 ms of host time on the H200: the link's device-to-host direction, which a full
-        reload with a host backup waits for, starts first) and one event for both."""
+        """`run`'s plan (kept with a kept reload plan: `capture_backup`'s memo); on a side stream
+        its first piece (the link's device-to-host direction, which a full reload with a host
+        backup waits for, starts first; its events are recorded by `_finish`)."""
         plan = kept_plan(self.kept, self.key, self.pending, self.written, by_piece=stream is not None)
         self.nbytes = sum(plan.sizes)
         if arena is not None:
             arena.reset(sum(staging.aligned(n) for n in plan.sizes))
-        self.arena, self.todo, self.next = arena, plan.big, 0
+        self.arena, self.todo, self.next, self.small_todo = arena, plan.big, 0, plan.small
         if stream is not None:
             stream.wait_stream(self.origin or torch.cuda.current_stream(stream.device))
             self.stream, self.due, self.marks = stream, plan.due, plan.marks  # (only read)
             if plan.big:
                 self._queue(min(self.marks), ahead=0, record=False)
-        with torch.cuda.stream(stream) if stream is not None else nullcontext():
-            for tensors in plan.small.values():
-                self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]), arena,
-                                                       fresh=True)))
-            if stream is not None:  # (the first piece's events are this one: the small copies follow it)
-                first = torch.cuda.Event()
-                first.record(stream)
-                self.events = {id(module): first for module, *_ in self.pending}
-                if self.marks:
-                    self.recorded[min(self.marks)] = first
-        self.pending = []
 
     def _finish(self) -> None:
-        """`run` after `_begin`: on a side stream `LOOKAHEAD` bytes more, else every big copy."""
-        if self.stream is not None:  # what they follow: the work queued before the commit
-            self.stream.wait_stream(self.origin or torch.cuda.current_stream(self.stream.device))
-        self._queue(-1 if self.stream is not None else len(self.todo))
+        """`run` after `_begin`: the small tensors' batched copies (after the first piece: their
+        cat costs ~0.6 ms of host time on the H200, here after the commit's first copies in),
+        then on a side stream one event for both and `LOOKAHEAD` bytes more, else every big
+        copy."""
+        stream = self.stream
+        if stream is not None:  # what the copies follow: the work queued before the commit
+            stream.wait_stream(self.origin or torch.cuda.current_stream(stream.device))
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for tensors in self.small_todo.values():
+                self.small.append((tensors, self._keep(torch.cat([t.reshape(-1) for t in tensors]),
+                                                       self.arena, fresh=True)))
+            if stream is not None:  # (the events of the pieces queued so far are this one: the
+                first = torch.cuda.Event()  # small copies follow them, and a module's event
+                first.record(stream)  # covers its small tensors too)
+                self.events = {id(module): first for module, *_ in self.pending}
+                self.recorded.update((k, first) for k in self.marks if k < self.next)
+        self.pending = []
+        self._queue(-1 if stream is not None else len(self.todo))
 
     def queue_all(self) -> None:
         """Queue every copy now, the writes still waiting for their own piece only: while the
