@@ -5,7 +5,11 @@ Forwards are readers, the commit of a reload is the writer:
 * any number of forwards run at once (they only read weights);
 * a reload reads and validates the checkpoint while forwards keep running, and
   takes the lock exclusively only to write (load + post-process, or roll back),
-  so a forward sees either all of the old weights or all of the new ones;
+  so a forward sees either all of the old weights or all of the new ones. A full
+  reload from registered shards reads nothing on the host before it writes: it
+  takes the lock once planned (~1 ms in), so that its backup's and its writes'
+  copies start at once, not after a device synchronization that would wait for
+  the first of them;
 * writer preference: once a commit waits, new forwards queue behind it, so a
   steady stream of forwards cannot starve a reload (the commit waits only for
   the forwards already running);

@@ -184,7 +184,9 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     `backup` is where the rollback copies live: "host" (default) or "device".
 
     Forwards keep running while the checkpoint is read; they wait only while
-    weights are written (see `locks.py`). Concurrent reloads run one at a time.
+    weights are written (see `locks.py`), and for a full reload from registered
+    shards (nothing to read on the host) from its planning on. Concurrent reloads
+    run one at a time.
 
     Raises a `ReloadError` subclass naming the file/tensor and the cause; the
     model is then exactly as it was (except `RollbackError`, see errors.py).
