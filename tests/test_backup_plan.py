@@ -8,6 +8,8 @@ object over the same memory. On a GPU the first piece is queued before the read
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 
 import fp8_reload as fr
@@ -141,3 +143,35 @@ def test_the_pieces_queued_before_the_small_copies_share_their_event(ckpts, defe
     (saved,) = deferred.made
     first, second = sorted(saved.marks)[:2]
     assert saved.recorded[first] is saved.recorded[second] and not unchanged(model, before)
+
+
+@pytest.mark.parametrize("registered", [True, False], ids=["lock first", "lock after the read"])
+@pytest.mark.parametrize("where", ["prepare", "_take_lock"])
+def test_a_ctrl_c_before_the_commit_leaves_no_copy_running_and_no_lock_held(ckpts, deferred, monkeypatch,  # noqa: F811
+                                                                            registered, where):
+    """KeyboardInterrupt in the read (the weights already taken when every shard is
+    registered) or while the lock is awaited (before the backup begins when every shard is
+    registered, after it otherwise): it propagates as is, the queued copies are waited
+    for, the lock is free (a forward gets in), and the next reload goes through."""
+    _setup(monkeypatch, registered=registered)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    real = getattr(tx, where)
+    monkeypatch.setattr(tx, where, lambda *a, **kw: (_ for _ in ()).throw(KeyboardInterrupt))
+    with pytest.raises(KeyboardInterrupt):
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    begun = [saved for saved in deferred.made if saved.begun]
+    assert len(begun) == (0 if where == "_take_lock" and registered else 1)
+    assert all(not saved.started for saved in begun) and deferred.done == len(deferred.todo)
+    assert not unchanged(model, before)
+    entered = threading.Event()
+
+    def forward():
+        with model.weights_lock.read():
+            entered.set()
+
+    threading.Thread(target=forward, daemon=True).start()
+    assert entered.wait(timeout=10), "the weights lock was left held"
+    monkeypatch.setattr(tx, where, real)
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))

@@ -13,8 +13,8 @@ A reload is a transaction:
 3. backup: copies (host, or device with ``backup="device"``) of what commit may
    change, bounded by the reload (the reloaded expert slots of the big MoE weights,
    whole small tensors); the streaming engine plans it before step 2, and on a GPU
-   copies its first piece and small tensors while the host reads (a full reload with
-   a host backup waits for the link's device-to-host direction);
+   copies its first piece while the host reads (a full reload with a host backup
+   waits for the link's device-to-host direction);
 4. commit ("wait", "load", "process", "drain"): take the weights lock exclusively
    (forwards drain, see `locks.py`), write the weights (streamed into place, or
    through the parameters' own `weight_loader`s), post-process; on a GPU the last
@@ -152,15 +152,19 @@ def _exclusive(model: FP8MoEModel, path):
             model.__dict__["_reload_thread"] = None
 
 
-def _take_weights(model, held: ExitStack, timer: _Timer, device, progress: _Progress, path) -> None:
-    """Take the weights lock (running forwards finish, new ones queue) into `held`, then wait
-    for the device (kernels forwards queued on any stream finish) and unregister what
-    registrations dropped (the driver waits for the whole device: here, where it is idle)."""
+def _take_lock(model, held: ExitStack, timer: _Timer, path) -> None:
+    """Take the weights lock into `held`: running forwards finish, new ones queue."""
     with timer.phase("wait"):
         try:
             held.enter_context(model.weights_lock.write())
         except RuntimeError as e:  # a reload from inside a forward of this model
             raise ReloadError(f"{path}: {e}; nothing was written") from e
+
+
+def _drain_device(model, timer: _Timer, device, progress: _Progress) -> None:
+    """Under the lock: the kernels forwards queued on any stream finish; what registrations
+    dropped is unregistered (the driver waits for the whole device: here, where it is idle)."""
+    with timer.phase("wait"):
         progress.doing = "waiting for running forwards"
         synchronize(device)
         if device.type == "cuda":
@@ -241,7 +245,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             # device synchronization under the lock waits for what is queued before it
             early = streaming and weight_name_filter is None and bool(now) and now >= kinds.files
             if early:
-                _take_weights(model, held, timer, device, progress, ckpt.path)
+                _take_lock(model, held, timer, ckpt.path)
+                _drain_device(model, timer, device, progress)
             if streaming:  # planned first: on a GPU its first piece is copied while the host reads
                 with timer.phase("backup"):
                     if "order" not in memo:
@@ -255,8 +260,9 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     into = staging.arena(model, "staging") if cuda else None
                     prepared = prepare(ckpt, targets, stats, into=into, whole=weight_name_filter is None,
                                        registered=now, memo=memo)
-                    if cuda:  # registering pins shards' pages: here, not under the weights lock, and
-                        # once the checks passed (a checkpoint that cannot load neither counts nor pins)
+                    if cuda:  # registering pins shards' pages: here, not under the weights lock (but
+                        # when all are registered), and once the checks passed (a checkpoint that
+                        # cannot load neither counts nor pins)
                         prepared.registered = registered_files(model, ckpt, kinds.streamed_by_file)
                     report.staged_bytes = prepared.staged_bytes
                 else:
@@ -267,9 +273,15 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     saved = capture_backup(model, names, process_all, backup, memo=memo)
             report.backup_bytes = saved.nbytes
         with held:
+            if not early:
+                try:  # (a Ctrl-C while forwards drain: the begun backup's copies are waited for)
+                    _take_lock(model, held, timer, ckpt.path)
+                except BaseException:
+                    saved.settle()
+                    raise
             try:
                 if not early:
-                    _take_weights(model, held, timer, device, progress, ckpt.path)
+                    _drain_device(model, timer, device, progress)
                 if streaming:  # its copies run beside the commit's (see capture_backup)
                     with timer.phase("backup"):
                         progress.doing = "backing up"
