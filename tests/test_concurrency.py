@@ -225,19 +225,25 @@ def test_many_forwards_during_many_reloads_see_old_or_new_never_a_mix(ckpts, out
     assert during[0] > 0 and seen["old"] > 0 and seen["new"] > 0, (seen, during)
 
 
+def reload_from_every_forward(model, path, errors: list):
+    """A forward hook on `model` that asks for a full reload from `path` and keeps the
+    `ReloadError` it gets in `errors`; returns its handle."""
+
+    def reload_hook(module, args, out):
+        try:
+            fr.update_weights_from_disk(model, path)
+        except fr.ReloadError as e:
+            errors.append(e)
+
+    return model.model.register_forward_hook(reload_hook)
+
+
 def test_a_reload_from_inside_a_forward_is_refused_not_deadlocked(ckpts, outputs):
     x, y0, _ = outputs()
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
     errors = []
-
-    def reload_hook(module, args, out):
-        try:
-            fr.update_weights_from_disk(model, ckpts["fp8", 1])
-        except fr.ReloadError as e:
-            errors.append(e)
-
-    handle = model.model.register_forward_hook(reload_hook)
+    handle = reload_from_every_forward(model, ckpts["fp8", 1], errors)
     t, r = start_thread(model, x)
     t.join(WAIT)
     handle.remove()

@@ -23,7 +23,7 @@ import fp8_reload.reload.transaction as tx
 from fp8_reload.checkpoint.staging import release_staging
 
 from .conftest import WAIT, mix_checkpoints, unchanged
-from .test_concurrency import outputs  # noqa: F401  (a fixture)
+from .test_concurrency import outputs, reload_from_every_forward  # noqa: F401  (a fixture)
 from .test_review_s17 import _HostCopy, _setup, deferred  # noqa: F401  (a fixture)
 
 # what a failure is injected into: transaction.py's names, Backup's methods, the drain's stamp check
@@ -228,14 +228,7 @@ def test_a_reload_from_inside_a_forward_is_refused_whatever_the_lock_order(ckpts
     _setup(monkeypatch, registered)
     model = fr.load_model(ckpts["fp8", 0])
     before, errors = fr.snapshot(model), []
-
-    def hook(module, args, out):
-        try:
-            fr.update_weights_from_disk(model, ckpts["fp8", 1])
-        except fr.ReloadError as e:
-            errors.append(e)
-
-    handle = model.model.register_forward_hook(hook)
+    handle = reload_from_every_forward(model, ckpts["fp8", 1], errors)
     x = torch.zeros(2, 1, dtype=torch.long)
     done = threading.Thread(target=model, args=(x,), daemon=True)
     done.start()
