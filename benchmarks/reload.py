@@ -196,11 +196,13 @@ class ValidateStaged(CheckpointSuite):
 
 class DeviceMemoryBound:
     """The bound `ReloadDeviceMemory` is judged against, recorded with the results: it is
-    a property of the code (the processing chunk), so `fp8-reload report` judges each run
-    by the bound of the code it measured. Device-independent; runs everywhere."""
+    a property of the code (the processing chunk, the backup's pieces on the device), so
+    `fp8-reload report` judges each run by the bound of the code it measured.
+    Device-independent; runs everywhere."""
 
     def setup(self):
-        self.bound = require("fp8_reload.processing:reload_memory_bound")
+        self.bound = require("fp8_reload.reload:device_memory_bound",
+                             "fp8_reload.processing:reload_memory_bound")
 
     def track_bound_bytes(self):
         return self.bound()

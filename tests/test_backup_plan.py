@@ -11,11 +11,13 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.backup as bk
 import fp8_reload.reload.backup_plan as bplan
 import fp8_reload.reload.transaction as tx
+from fp8_reload.reload.backup_plan import piece_bytes
 
 from .conftest import mix_checkpoints, unchanged
 from .test_review_s17 import _setup, deferred  # noqa: F401  (a fixture)
@@ -175,3 +177,48 @@ def test_a_ctrl_c_before_the_commit_leaves_no_copy_running_and_no_lock_held(ckpt
     monkeypatch.setattr(tx, where, real)
     fr.update_weights_from_disk(model, ckpts["fp8", 1])
     assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))
+
+
+@pytest.mark.parametrize("share", ["none", "a third", "all"])
+@pytest.mark.parametrize("device", ["emulated", "cuda"])
+def test_a_host_backup_keeps_its_first_pieces_beside_the_weights(ckpts, request, monkeypatch, share, device):
+    """`backup.ON_DEVICE`: of a GPU model's host backup, the first copies the commit waits for
+    (up to that many bytes) are made beside the weights, the rest into the pinned arena. A
+    commit failing once every write is done restores from both; the
+    next reload equals a fresh load; the report says how much was beside the weights."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("a GPU model's backup (on CPU: emulated with a deferred backup stream)")
+    side = request.getfixturevalue("deferred") if device == "emulated" else None
+    if side is not None:
+        _setup(monkeypatch, registered=True)
+    made, real = [], bk.capture_backup
+    monkeypatch.setattr(tx, "capture_backup", lambda *a, **kw: made.append(real(*a, **kw)) or made[-1])
+    monkeypatch.setattr(bk, "ON_DEVICE", 0)
+    model = fr.load_model(ckpts["fp8", 0], device="cuda" if side is None else "cpu")
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    sizes = [piece_bytes(tensor, run) for _, tensor, run, _ in made[-1].todo]
+    assert made[-1].device_bytes == 0 and len(sizes) > 3
+    monkeypatch.setattr(bk, "ON_DEVICE", {"none": 0, "a third": sum(sizes) // 3, "all": sum(sizes)}[share])
+    before = fr.snapshot(model)
+    process = tx.process_modules
+    monkeypatch.setattr(tx, "process_modules", lambda *a: 1 / 0)
+    with pytest.raises(fr.CommitError, match="ZeroDivision") as info:
+        fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    saved = made[-1]
+    n = {"none": 0, "all": len(sizes)}.get(share, saved.on_device)
+    assert saved.on_device == n and saved.device_bytes == sum(sizes[:n]) <= bk.ON_DEVICE
+    if share == "a third":
+        assert 0 < n < len(sizes) and sum(sizes[:n + 1]) > bk.ON_DEVICE
+    assert info.value.report.backup_device_bytes == saved.device_bytes
+    for k, (_, _, copy) in enumerate(saved.big):
+        if side is None:
+            assert copy.is_cuda == (k < n) and (k < n or copy.is_pinned()), k
+        else:  # (beside the weights: not carved out of the arena)
+            inside = copy.untyped_storage().data_ptr() == saved.arena.buffer.untyped_storage().data_ptr()
+            assert inside == (k >= n), k
+    assert not unchanged(model, before)
+    monkeypatch.setattr(tx, "process_modules", process)
+    report = fr.update_weights_from_disk(model, ckpts["fp8", 0])
+    assert report.backup_device_bytes == made[-1].device_bytes == sum(sizes[:n])
+    fresh = fr.load_model(ckpts["fp8", 0], device="cuda" if side is None else "cpu")
+    assert not fr.compare_states(fr.snapshot(fresh), fr.snapshot(model))

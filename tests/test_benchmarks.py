@@ -171,7 +171,8 @@ def test_raw_bound_reads_exactly_the_bytes_of_the_fixed_reload(ran, suite, cache
 def test_the_memory_bound_is_recorded_with_the_results(ran):
     from fp8_reload.processing import reload_memory_bound
 
-    assert ran[("DeviceMemoryBound.track_bound_bytes", ())] == reload_memory_bound() > 0
+    bound = ran[("DeviceMemoryBound.track_bound_bytes", ())]
+    assert bound == fr.reload.device_memory_bound() == reload_memory_bound() + fr.reload.backup.ON_DEVICE
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

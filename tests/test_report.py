@@ -126,7 +126,7 @@ def test_memory_is_judged_by_the_bound_recorded_with_the_results(results):
     mem = headline(older).set_index(["kind", "figure"]).loc[
         ("bf16", "reload device-memory peak above the model")]
     assert mem["met"] is None and mem["value"] == 3072.0
-    assert mem["target"] == f"<= {fr.processing.reload_memory_bound() >> 20} MiB (this code's)"
+    assert mem["target"] == f"<= {fr.reload.device_memory_bound() >> 20} MiB (this code's)"
     assert "not judged" in mem["detail"]
 
 

@@ -104,6 +104,7 @@ def deferred(monkeypatch):
         monkeypatch.setattr(mod, "synchronize", lambda *a: side.run())
     monkeypatch.setattr(bk, "on_cuda", lambda model: True)
     monkeypatch.setattr(to_device, "REGISTER", "never")
+    monkeypatch.setattr(bk, "ON_DEVICE", 0)  # (every big copy into the arena: as before it existed)
     ring_for, reserve, capture = to_device.ring_for, to_device.DeviceSlots.reserve, tx.capture_backup
     monkeypatch.setattr(to_device, "ring_for", lambda model, n, pin, *a: ring_for(model, n, False, *a))
     monkeypatch.setattr(to_device.DeviceSlots, "reserve", lambda self, n, device: reserve(self, n, "cpu"))

@@ -6,9 +6,9 @@
     transaction  the entry points: plan -> stage -> backup -> commit -> post-process
 """
 
-from .backup import BACKUP_PLACES
+from .backup import BACKUP_PLACES, device_memory_bound
 from .filters import NameFilter, eplb_filter, generate_weight_name_filter
 from .transaction import ReloadReport, load_model, update_weights_from_disk
 
-__all__ = ["BACKUP_PLACES", "NameFilter", "ReloadReport", "eplb_filter",
+__all__ = ["BACKUP_PLACES", "NameFilter", "ReloadReport", "device_memory_bound", "eplb_filter",
            "generate_weight_name_filter", "load_model", "update_weights_from_disk"]

@@ -12,6 +12,7 @@ not by a layer. The first piece is queued before the reload reads (`begin`).
 
 from __future__ import annotations
 
+import os
 from contextlib import nullcontext, suppress
 
 import torch
@@ -21,6 +22,7 @@ from ..checkpoint import staging
 from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
 from ..layers import FusedMoE
+from ..processing import reload_memory_bound
 from ..quant import index_copy_
 from .backup_plan import Pending, kept_plan, piece_of
 from .filters import modules_by_name
@@ -30,9 +32,21 @@ _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # How far the backup's queued copies run ahead of what the commit has asked for (bytes):
 # enough that the device-to-host stream never waits for the host.
 LOOKAHEAD = 128 << 20
-# "host": copies in CPU memory (no device memory needed); "device": copies next to
+# "host": copies in CPU memory, but for `ON_DEVICE` bytes; "device": copies next to
 # the weights (fast on a GPU, costs `backup_bytes` of device memory).
 BACKUP_PLACES = ("host", "device")
+# Of a host backup of a GPU model, the first pieces the commit writes, up to this many
+# bytes, are copied on the device instead (`FP8_RELOAD_BACKUP_ON_DEVICE`; 0: none): their
+# writes need not wait for the link's device-to-host direction, so the host-to-device
+# copies start at once and the backup's copies through the link run that much ahead.
+ON_DEVICE = int(os.environ.get("FP8_RELOAD_BACKUP_ON_DEVICE", 256 << 20))
+
+
+def device_memory_bound() -> int:
+    """Device memory a reload may add above the loaded model with the default host backup:
+    processing's chunks (`processing.reload_memory_bound`) and the backup's first pieces
+    (`ON_DEVICE`). The asv suite records it beside the measured peaks."""
+    return reload_memory_bound() + ON_DEVICE
 
 
 class Backup:
@@ -60,6 +74,8 @@ class Backup:
         # the big copies planned (`kept_plan`), queued up to `next`; the index of the copy
         # after which (id(module), slot or None for all of it) is backed up; their events
         self.todo, self.next, self.arena = [], 0, None
+        self.on_device = 0  # the big copies before this index are kept on the device
+        self.device_bytes = 0  # of `nbytes`, those kept next to the weights
         self.small_todo: dict = {}  # dtype -> the small tensors `_finish` copies together
         self.due: dict[tuple[int, int | None], int] = {}
         self.marks: set[int] = set()
@@ -135,8 +151,15 @@ class Backup:
         backup waits for, starts first; its events are recorded by `_finish`)."""
         plan = kept_plan(self.kept, self.key, self.pending, self.written, by_piece=stream is not None)
         self.nbytes = sum(plan.sizes)
-        if arena is not None:
-            arena.reset(sum(staging.aligned(n) for n in plan.sizes))
+        if self.where == "device":
+            self.device_bytes = self.nbytes
+        elif arena is not None:  # (the big copies' sizes follow the small batches' in `sizes`)
+            big = plan.sizes[len(plan.small):]
+            while self.on_device < len(big) and self.device_bytes + big[self.on_device] <= ON_DEVICE:
+                self.device_bytes += big[self.on_device]
+                self.on_device += 1
+            host = plan.sizes[:len(plan.small)] + big[self.on_device:]
+            arena.reset(sum(staging.aligned(n) for n in host))
         self.arena, self.todo, self.next, self.small_todo = arena, plan.big, 0, plan.small
         if stream is not None:
             stream.wait_stream(self.origin or torch.cuda.current_stream(stream.device))
@@ -185,7 +208,8 @@ class Backup:
             while self.next < len(self.todo) and (self.next <= upto or queued < ahead):
                 _, tensor, run, _ = self.todo[self.next]
                 piece = piece_of(tensor, run)
-                self.big.append((tensor, run, self._keep(piece, self.arena, fresh=False)))
+                arena = self.arena if self.next >= self.on_device else None
+                self.big.append((tensor, run, self._keep(piece, arena, fresh=False)))
                 if self.next > upto:
                     queued += piece.numel() * piece.element_size()
                 if record and self.next in self.marks:
@@ -194,12 +218,13 @@ class Backup:
                 self.next += 1
 
     def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
-        """The backup copy of `src` (`fresh`: a new tensor nothing else holds)."""
+        """The backup copy of `src` (`fresh`: a new tensor nothing else holds): into `arena`
+        (pinned host memory), else where the backup lives (`ON_DEVICE`: a GPU's source)."""
         if arena is not None:
             copy = staging.typed_slice(arena, src.dtype, src.shape)
             copy_async(copy, src, torch.cuda.current_stream(src.device))
             return copy
-        if self.where == "host":
+        if self.where == "host" and not (self.arena is not None and src.is_cuda):
             return src.to("cpu", copy=not fresh)
         return src if fresh else src.clone()
 

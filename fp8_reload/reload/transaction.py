@@ -91,6 +91,7 @@ class ReloadReport:
     experts_reloaded: dict[int, list[int]] = field(default_factory=dict)
     staged_bytes: int = 0  # host memory holding the validated tensors before commit
     backup_bytes: int = 0  # memory holding the copies a failed commit is restored from
+    backup_device_bytes: int = 0  # of which in the weights' memory (`backup="device"`, `backup.ON_DEVICE`)
     seconds: dict[str, float] = field(default_factory=dict)
 
     def summary(self) -> str:
@@ -101,7 +102,8 @@ class ReloadReport:
                 f"{self.files_opened} files, {n_exp} experts, "
                 f"{len(self.modules_processed)} modules processed, "
                 f"staged {self.staged_bytes / 2**20:.2f} MiB, "
-                f"backup {self.backup_bytes / 2**20:.2f} MiB ({phases})")
+                f"backup {self.backup_bytes / 2**20:.2f} MiB "
+                f"({self.backup_device_bytes / 2**20:.2f} on the device) ({phases})")
 
 
 class _Timer:
@@ -271,7 +273,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             if not streaming:
                 with timer.phase("backup"):
                     saved = capture_backup(model, names, process_all, backup, memo=memo)
-            report.backup_bytes = saved.nbytes
+            report.backup_bytes, report.backup_device_bytes = saved.nbytes, saved.device_bytes
         with held:
             if not early:
                 try:  # (a Ctrl-C while forwards drain: the begun backup's copies are waited for)
@@ -294,7 +296,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                             touched = commit(model, prepared, stats, wait_for=saved.event_for, device=device,
                                              backup_ahead=saved.queue_all)
                             saved.complete()  # what processing writes is backed up before it
-                            report.backup_bytes = saved.nbytes
+                            report.backup_bytes, report.backup_device_bytes = saved.nbytes, saved.device_bytes
                         else:
                             touched = model.load_weights(progress.loading(staged))
                     if not streaming:
@@ -316,7 +318,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                         raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
                                                      "read; the reload is rolled back")
             except BaseException as fault:
-                report.backup_bytes = saved.nbytes
+                report.backup_bytes, report.backup_device_bytes = saved.nbytes, saved.device_bytes
                 with timer.phase("restore"):
                     roll_back(model, saved, fault, ckpt, progress.doing)
                 if not isinstance(fault, Exception):

@@ -7,7 +7,8 @@ from typing import TYPE_CHECKING
 
 from ...config import MoEConfig
 from ...layers import FP8MoEModel
-from ...processing import get_mode, reload_memory_bound
+from ...processing import get_mode
+from ...reload import device_memory_bound
 from ...testing.workloads import moe_flop
 from .load import bench_class
 
@@ -143,7 +144,7 @@ def _memory(mdf, p: dict, preset: str, kind: str) -> tuple:
     peaks = {e: pick(mdf, "ReloadDeviceMemory.track_peak_bytes", **p, experts=e)
              for e in ("1/layer", "full")}
     recorded = pick(mdf, MEMORY_BOUND)
-    bound = int(recorded) if recorded else reload_memory_bound()
+    bound = int(recorded) if recorded else device_memory_bound()
     target = f"<= {bound >> 20} MiB"
     if all(v is None for v in peaks.values()):
         return None, "MiB", target, None, "not measured (needs CUDA)"
