@@ -24,6 +24,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 import fp8_reload as fr
+from fp8_reload.reload import backup as backup_mod
 from fp8_reload.reload import to_device
 from fp8_reload.testing import io_paths
 
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--dir", default="/tmp/ckpt_io")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/out") + "/trace")
     ap.add_argument("--what", default="reload,process")
+    ap.add_argument("--kinds", default="fp8,bf16")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -136,7 +138,7 @@ def main():
     what = args.what.split(",")
     if "reload" in what:
         registering = to_device.REGISTER
-        for kind in ("fp8", "bf16"):
+        for kind in args.kinds.split(","):
             cfg = fr.MoEConfig.preset("v2-lite", num_layers=args.layers)
             path = Path(args.dir) / f"v2-lite-{args.layers}-{kind}"
             if not (path / "config.json").exists():
@@ -146,6 +148,11 @@ def main():
             flt = fr.generate_weight_name_filter({layer: [0] for layer in cfg.moe_layers})
             reload = functools.partial(fr.update_weights_from_disk, model, path)
             traced(reload, f"{kind} full reload repeated", out, lines)
+            share, backup_mod.ON_DEVICE = backup_mod.ON_DEVICE, 0
+            try:
+                traced(reload, f"{kind} full reload repeated, no backup on the device", out, lines)
+            finally:
+                backup_mod.ON_DEVICE = share
             traced(functools.partial(reload, backup="device"), f"{kind} full reload repeated, device backup",
                    out, lines)
             traced(functools.partial(reload, flt), f"{kind} filtered 1 per layer", out, lines)

@@ -469,3 +469,38 @@ def test_the_kernels_divide_with_ieee_rounding_when_compiled_for_the_h200(tmp_pa
     for line in out.stdout.splitlines():
         name, found = line.split(" ", 1)
         assert "div.rn.f32" in found and "div.full" not in found and "div.approx" not in found, line
+
+
+@pytest.mark.parametrize("equal", [False, True], ids=["scales differ", "scales equal"])
+def test_a_merged_fp8_linear_is_one_launch_with_the_torch_loops_bytes(monkeypatch, equal):
+    """gate | up of an FP8 linear (two equal widths) is one expert's w13: on a Triton device
+    it is requantized by that kernel, in one launch, to the bytes and scales the torch
+    loop gives on CPU; the weight stays one Parameter over the same memory."""
+    from fp8_reload.layers import Fp8Linear
+    from fp8_reload.processing import linear
+
+    q, s = fp8_w13(2, 48, 80)
+    scales = s[1 if equal else 0]
+    layers = []
+    for device in ("cpu", DEVICE):
+        layer = Fp8Linear(80, [48, 48], linear.FixedFp8LinearMethod(True), device=device)
+        with torch.no_grad():
+            layer.weight.copy_(q[1 if equal else 0])
+            layer.weight_scale.copy_(scales)
+            layer.input_scale.copy_(torch.tensor([0.5, 0.75]))
+        layer.needs_processing = True
+        layers.append(layer)
+    want, got = layers
+    want.quant_method.process_weights_after_loading(want)
+    launches: list = []
+    monkeypatch.setattr(requant, "_requant_w13_kernel", _Counted(requant._requant_w13_kernel, launches))
+    monkeypatch.setattr(requant, "_LAYERS", {})  # (the first launch of a layer goes through Triton)
+    for module in (linear, ops):  # (on CPU: Triton's interpreter)
+        monkeypatch.setattr(module, "on_triton", lambda t: True)
+    weight, ptr = got.weight, got.weight.data_ptr()
+    got.quant_method.process_weights_after_loading(got)
+    assert launches == ["_requant_w13_kernel"]
+    assert got.weight is weight and got.weight.data_ptr() == ptr and got.kernel_layout
+    for name in ("weight", "weight_scale", "input_scale"):
+        assert_bitwise_equal(getattr(want, name).data, getattr(got, name).data.cpu(), name)
+    assert torch.equal(got.weight_scale.cpu(), scales.max().expand(2))

@@ -16,7 +16,7 @@ from ..quant import (
     quantize_static,
     requantize,
 )
-from .ops import gather_to
+from .ops import gather_to, on_triton, process_fp8_experts_
 
 
 def _new_scale(n: int, device, fill: float, loader=None) -> Parameter:
@@ -171,7 +171,13 @@ class FixedFp8LinearMethod:
             # one scale (a single width, or one input scale) is its own max: nothing to do,
             # and on a GPU nothing queued (a full reload processes every module at its end)
             s = layer.weight_scale.data
-            if s.numel() > 1:
+            widths = layer.logical_widths
+            if (len(widths) == 2 and widths[0] == widths[1] and w.is_contiguous() and s.is_contiguous()
+                    and on_triton(w)):
+                # gate | up is one expert's w13: one launch of its requantization (the
+                # torch loop below is a dozen launches and float32 temporaries of a half)
+                process_fp8_experts_(w.view(1, *w.shape), s.view(1, 2), [0], widths[0])
+            elif s.numel() > 1:
                 m = s.max()
                 start = 0
                 for i, width in enumerate(layer.logical_widths):
