@@ -222,3 +222,33 @@ def test_a_host_backup_keeps_its_first_pieces_beside_the_weights(ckpts, request,
     assert report.backup_device_bytes == made[-1].device_bytes == sum(sizes[:n])
     fresh = fr.load_model(ckpts["fp8", 0], device="cuda" if side is None else "cpu")
     assert not fr.compare_states(fr.snapshot(fresh), fr.snapshot(model))
+
+
+def test_a_device_without_room_for_the_first_pieces_backs_them_up_to_the_host(ckpts, deferred, monkeypatch):  # noqa: F811
+    """The device memory `ON_DEVICE` asks for only makes a reload faster: where it cannot be
+    had (out of memory), every copy goes to the pinned arena and the reload goes on, its
+    rollback and its result as without it."""
+    _setup(monkeypatch, registered=True)
+    monkeypatch.setattr(bk, "ON_DEVICE", 1 << 30)
+    asked = []
+
+    def full(self, nbytes):
+        asked.append(nbytes)
+        raise torch.cuda.OutOfMemoryError("injected: no device memory left")
+
+    monkeypatch.setattr(bk.staging.DeviceArena, "reset", full)
+    model = fr.load_model(ckpts["fp8", 0])
+    before = fr.snapshot(model)
+    process = tx.process_modules
+    monkeypatch.setattr(tx, "process_modules", lambda *a: 1 / 0)
+    with pytest.raises(fr.CommitError, match="ZeroDivision") as info:
+        fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    (saved,) = deferred.made
+    assert asked and saved.on_device == saved.device_bytes == info.value.report.backup_device_bytes == 0
+    arena = saved.arena.buffer.untyped_storage().data_ptr()
+    assert all(copy.untyped_storage().data_ptr() == arena for _, _, copy in saved.big)
+    assert not unchanged(model, before)
+    monkeypatch.setattr(tx, "process_modules", process)
+    report = fr.update_weights_from_disk(model, ckpts["fp8", 1])
+    assert report.backup_device_bytes == 0 < report.backup_bytes and len(asked) == 2
+    assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 1])), fr.snapshot(model))

@@ -55,7 +55,8 @@ def emulated(monkeypatch):
     monkeypatch.setattr(bk.Backup, "_keep", keep)
     monkeypatch.setattr(bk, "on_cuda", lambda model: True)
     monkeypatch.setattr(bk, "staging", types.SimpleNamespace(
-        arena=lambda *a: types.SimpleNamespace(reset=lambda n: None), aligned=lambda n: n))
+        arena=lambda *a: types.SimpleNamespace(reset=lambda n: None), aligned=lambda n: n,
+        DeviceArena=lambda device: types.SimpleNamespace(reset=lambda n: None)))
     return queued
 
 

@@ -53,6 +53,8 @@ def _align(n: int) -> int:
 class PinnedArena:
     """A grow-only pinned host buffer handed out in aligned slices, reset per use."""
 
+    device = None  # (`DeviceArena`)
+
     def __init__(self, pin: bool = True):
         self.pin = pin and torch.cuda.is_available()
         self.buffer: torch.Tensor | None = None
@@ -75,7 +77,7 @@ class PinnedArena:
             self.borrower = None
         if nbytes > self.capacity or self.buffer is None:
             self.buffer = None  # release the old one first: pinned memory is precious
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+            self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin, device=self.device)
         self.used = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
@@ -87,6 +89,15 @@ class PinnedArena:
 
     def release(self) -> None:
         self.buffer, self.used = None, 0
+
+
+class DeviceArena(PinnedArena):
+    """The same in the memory of `device` (a GPU model's host backup keeps its first pieces
+    there, `reload.backup.ON_DEVICE`); held by its user, not by the model."""
+
+    def __init__(self, device):
+        super().__init__(pin=False)
+        self.device = device
 
 
 def held(model) -> dict:

@@ -49,6 +49,18 @@ def device_memory_bound() -> int:
     return reload_memory_bound() + ON_DEVICE
 
 
+def device_arena(nbytes: int, device) -> staging.DeviceArena | None:
+    """`nbytes` of device memory for a host backup's first pieces, or None when the device
+    has not that much free: the pinned arena takes them (a reload must not fail for want of
+    memory that only makes it faster)."""
+    near = staging.DeviceArena(device)
+    try:
+        near.reset(nbytes)
+    except torch.cuda.OutOfMemoryError:
+        return None
+    return near
+
+
 class Backup:
     """Everything commit and post-processing may change, bounded by the reload.
 
@@ -76,6 +88,7 @@ class Backup:
         self.todo, self.next, self.arena = [], 0, None
         self.on_device = 0  # the big copies before this index are kept on the device
         self.device_bytes = 0  # of `nbytes`, those kept next to the weights
+        self.near = None  # the device arena of the big copies before `on_device`
         self.small_todo: dict = {}  # dtype -> the small tensors `_finish` copies together
         self.due: dict[tuple[int, int | None], int] = {}
         self.marks: set[int] = set()
@@ -154,10 +167,14 @@ class Backup:
         if self.where == "device":
             self.device_bytes = self.nbytes
         elif arena is not None:  # (the big copies' sizes follow the small batches' in `sizes`)
-            big = plan.sizes[len(plan.small):]
-            while self.on_device < len(big) and self.device_bytes + big[self.on_device] <= ON_DEVICE:
-                self.device_bytes += big[self.on_device]
+            big, near = plan.sizes[len(plan.small):], 0
+            while self.on_device < len(big) and near + staging.aligned(big[self.on_device]) <= ON_DEVICE:
+                near += staging.aligned(big[self.on_device])
                 self.on_device += 1
+            self.near = device_arena(near, plan.big[0][1].device) if near else None
+            if self.near is None:
+                self.on_device = 0
+            self.device_bytes = sum(big[:self.on_device])
             host = plan.sizes[:len(plan.small)] + big[self.on_device:]
             arena.reset(sum(staging.aligned(n) for n in host))
         self.arena, self.todo, self.next, self.small_todo = arena, plan.big, 0, plan.small
@@ -208,7 +225,7 @@ class Backup:
             while self.next < len(self.todo) and (self.next <= upto or queued < ahead):
                 _, tensor, run, _ = self.todo[self.next]
                 piece = piece_of(tensor, run)
-                arena = self.arena if self.next >= self.on_device else None
+                arena = self.arena if self.next >= self.on_device else self.near
                 self.big.append((tensor, run, self._keep(piece, arena, fresh=False)))
                 if self.next > upto:
                     queued += piece.numel() * piece.element_size()
@@ -219,12 +236,12 @@ class Backup:
 
     def _keep(self, src: torch.Tensor, arena, fresh: bool) -> torch.Tensor:
         """The backup copy of `src` (`fresh`: a new tensor nothing else holds): into `arena`
-        (pinned host memory), else where the backup lives (`ON_DEVICE`: a GPU's source)."""
+        (pinned host memory, or device memory: `ON_DEVICE`), else where the backup lives."""
         if arena is not None:
             copy = staging.typed_slice(arena, src.dtype, src.shape)
             copy_async(copy, src, torch.cuda.current_stream(src.device))
             return copy
-        if self.where == "host" and not (self.arena is not None and src.is_cuda):
+        if self.where == "host":
             return src.to("cpu", copy=not fresh)
         return src if fresh else src.clone()
 
