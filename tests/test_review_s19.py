@@ -2,11 +2,11 @@
 FP8 linear requantized by the w13 kernel.
 
 The backup runs on its GPU path on CPU with the side stream deferred (`test_review_s17.deferred`):
-a copy queued there runs only when someone waits for an event recorded after it. There a
-"device clone" (`_keep` without the arena) is a deferred copy outside the arena, an arena
-copy one carved out of it: the split, the arena's size and the ordering of every write
-after the backup of its bytes are checked with any share of the pieces on the device. The
-linear's kernel runs in Triton's interpreter on CPU (as `test_requant` does).
+a copy queued there runs only when someone waits for an event recorded after it. A first
+piece's copy goes to the device arena (`Backup.near`, 12f1c53; on CPU a `DeviceArena` of
+the CPU), the rest to the pinned one: the split, both arenas' sizes and the ordering of
+every write after the backup of its bytes are checked with any share of the pieces on the
+device. The linear's kernel runs in Triton's interpreter on CPU (as `test_requant` does).
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import torch
 import fp8_reload as fr
 import fp8_reload.reload.backup as bk
 import fp8_reload.reload.backup_plan as bplan
-import fp8_reload.reload.transaction as tx
 from fp8_reload.checkpoint import staging
 from fp8_reload.reload.backup_plan import piece_bytes
 
@@ -37,16 +36,18 @@ def _on_device(share: str, sizes: list[int]) -> int:
 
 
 def _prefix(sizes: list[int], limit: int) -> int:
-    """The longest prefix of `sizes` within `limit` (what `_begin` keeps on the device)."""
+    """The longest prefix of `sizes`, each aligned as the device arena hands it out, within
+    `limit` (what `_begin` keeps on the device)."""
     n, total = 0, 0
-    while n < len(sizes) and total + sizes[n] <= limit:
-        total, n = total + sizes[n], n + 1
+    while n < len(sizes) and total + staging.aligned(sizes[n]) <= limit:
+        total, n = total + staging.aligned(sizes[n]), n + 1
     return n
 
 
 def _arena_resets(monkeypatch) -> list[int]:
     asked, reset = [], staging.PinnedArena.reset
-    monkeypatch.setattr(staging.PinnedArena, "reset", lambda self, n: asked.append((self, n)) or reset(self, n))
+    monkeypatch.setattr(staging.PinnedArena, "reset",
+                        lambda self, n: asked.append((self, n)) or reset(self, n))
     return asked
 
 
@@ -58,8 +59,12 @@ def _check_split(saved, asked: list[int], limit: int) -> None:
     assert saved.on_device == n and saved.device_bytes == sum(sizes[:n])
     assert len(saved.big) == len(sizes)
     buf = saved.arena.buffer.untyped_storage().data_ptr()
+    near = None if saved.near is None else saved.near.buffer.untyped_storage().data_ptr()
+    assert (near is None) == (n == 0)
     for k, (_, _, copy) in enumerate(saved.big):
-        assert (copy.untyped_storage().data_ptr() == buf) == (k >= n), k
+        assert copy.untyped_storage().data_ptr() == (buf if k >= n else near), k
+    if n:  # (the device arena: exactly the aligned first pieces, within the share)
+        assert saved.near.used == saved.near.capacity == sum(staging.aligned(m) for m in sizes[:n]) <= limit
     for _, flat in saved.small:
         assert flat.untyped_storage().data_ptr() == buf
     mine = [n for arena, n in asked if arena is saved.arena]
@@ -70,9 +75,9 @@ def _check_split(saved, asked: list[int], limit: int) -> None:
 @pytest.mark.parametrize("small", [bplan.SMALL_BYTES, 0], ids=["small", "no-small"])
 @pytest.mark.parametrize("registered", [True, False], ids=["direct", "ring"])
 @pytest.mark.parametrize("spec", ["full", "two-layers", "one-expert"])
-def test_a_rollback_restores_every_byte_whatever_share_is_on_the_device(ckpts, deferred, monkeypatch, tmp_path,
+def test_a_rollback_restores_every_byte_whatever_share_is_on_the_device(ckpts, deferred, monkeypatch,  # noqa: F811
                                                                         share, small, registered, spec):
-    """s17's attack with the split: every write waits for its bytes' backup, device clones
+    """s17's attack with the split: every write waits for its bytes' backup, device-arena copies
     included (whole tensors, slot runs through `index_copy_`, a transposed linear weight's
     `dense_view` when nothing is small); the arena holds exactly the rest."""
     _setup(monkeypatch, registered, small)
@@ -96,7 +101,7 @@ def test_a_rollback_restores_every_byte_whatever_share_is_on_the_device(ckpts, d
     assert info.value.report.backup_device_bytes == saved.device_bytes
     assert deferred.done == len(deferred.todo)
     assert not unchanged(model, before)
-    if spec == "full" and small == 0 and saved.on_device == len(sizes):  # (a transposed linear weight on the device)
+    if spec == "full" and small == 0 and saved.on_device == len(sizes):  # (a transposed linear weight)
         linears = {id(p.data.untyped_storage()): p for n, p in model.named_parameters()
                    if n.endswith("proj.weight")}
         assert any(t.shape != linears[id(t.untyped_storage())].shape for t, run, _ in saved.big
@@ -107,7 +112,7 @@ def test_a_rollback_restores_every_byte_whatever_share_is_on_the_device(ckpts, d
     assert not fr.compare_states(fr.snapshot(fr.load_model(ckpts["fp8", 0])), fr.snapshot(model))
 
 
-def test_the_first_piece_too_big_keeps_nothing_on_the_device(ckpts, deferred, monkeypatch):
+def test_the_first_piece_too_big_keeps_nothing_on_the_device(ckpts, deferred, monkeypatch):  # noqa: F811
     """The share is a prefix of the write order: a first piece above `ON_DEVICE` puts every
     copy in the arena, even where later pieces would fit (what the docstring says)."""
     _setup(monkeypatch, True, chunk=1 << 20)  # (a layer's experts one piece: the first is big)
@@ -121,11 +126,12 @@ def test_the_first_piece_too_big_keeps_nothing_on_the_device(ckpts, deferred, mo
     saved = deferred.made[-1]
     assert saved.on_device == 0 and saved.device_bytes == report.backup_device_bytes == 0
     _check_split(saved, asked, sizes[0] - 1)
-    assert [n for arena, n in asked if arena is saved.arena][-1] == sum(staging.aligned(n) for n in sizes) + sum(
-        staging.aligned(flat.numel() * flat.element_size()) for _, flat in saved.small)
+    small = sum(staging.aligned(flat.numel() * flat.element_size()) for _, flat in saved.small)
+    host = [n for arena, n in asked if arena is saved.arena][-1]
+    assert saved.near is None and host == sum(staging.aligned(n) for n in sizes) + small
 
 
-def test_a_kept_plan_reused_with_another_share_each_reload(ckpts, deferred, monkeypatch):
+def test_a_kept_plan_reused_with_another_share_each_reload(ckpts, deferred, monkeypatch):  # noqa: F811
     """The kept plan (`kept_plan`) is reused across full reloads while `ON_DEVICE` changes:
     the split is worked out afresh each time, the grow-only arena never overflows, a failing
     reload restores the model and a clean one equals a fresh load."""
@@ -153,7 +159,7 @@ def test_a_kept_plan_reused_with_another_share_each_reload(ckpts, deferred, monk
 
 
 @pytest.mark.parametrize("then", ["none", "all"])
-def test_on_device_changed_between_begin_and_start_keeps_the_begun_split(ckpts, deferred, monkeypatch, then):
+def test_on_device_changed_between_begin_and_start_keeps_the_begun_split(ckpts, deferred, monkeypatch, then):  # noqa: F811
     """`ON_DEVICE` is read once, by `begin` (before the read): a change before `start_on_demand`
     moves nothing, the arena sized at `begin` holds what goes there, the rollback is exact."""
     _setup(monkeypatch, True)
@@ -181,9 +187,9 @@ def test_on_device_changed_between_begin_and_start_keeps_the_begun_split(ckpts, 
 @pytest.mark.parametrize("fault", [RuntimeError, KeyboardInterrupt])
 @pytest.mark.parametrize("at", [1, 2, 3, 6], ids=lambda k: f"clone{k}")
 @pytest.mark.parametrize("registered", [True, False], ids=["direct", "ring"])
-def test_a_fault_while_device_clones_are_queued_restores_the_model(ckpts, deferred, monkeypatch, fault, at,
+def test_a_fault_while_device_clones_are_queued_restores_the_model(ckpts, deferred, monkeypatch, fault, at,  # noqa: F811
                                                                     registered):
-    """The `at`-th device clone raises (clone1, clone2: `begin`'s first piece, before the lock:
+    """The `at`-th device-arena copy raises (clone1, clone2: `begin`'s first piece, before the lock:
     nothing written; later ones mid-commit, after writes of earlier pieces): the model is as it was,
     a Ctrl-C propagates as itself, nothing queued is left running, the next reload is exact."""
     _setup(monkeypatch, registered)
@@ -192,15 +198,16 @@ def test_a_fault_while_device_clones_are_queued_restores_the_model(ckpts, deferr
     keep, clones = bk.Backup._keep, []
 
     def failing(self, src, arena, fresh):
-        if arena is None:
+        if arena is not None and arena is self.near:  # (a first piece: into the device arena)
             clones.append(src)
             if len(clones) == at:
-                raise fault("injected: a device clone failed")
+                raise fault("injected: a device-arena copy failed")
         return keep(self, src, arena, fresh)
 
     monkeypatch.setattr(bk.Backup, "_keep", failing)
     before = fr.snapshot(model)
-    with pytest.raises(fr.ReloadError if fault is RuntimeError else KeyboardInterrupt, match="injected") as info:
+    expected = fr.ReloadError if fault is RuntimeError else KeyboardInterrupt
+    with pytest.raises(expected, match="injected") as info:
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
     saved = deferred.made[-1]
     assert saved.on_device == len(saved.todo) and len(clones) == at
@@ -233,7 +240,7 @@ def test_device_bytes_of_a_cpu_model_and_of_a_device_backup(ckpts, monkeypatch, 
     assert failed.backup_device_bytes == (failed.backup_bytes if backup == "device" else 0)
 
 
-def test_a_device_backup_on_the_gpu_path_is_all_device_bytes_and_no_arena(ckpts, deferred, monkeypatch):
+def test_a_device_backup_on_the_gpu_path_is_all_device_bytes_and_no_arena(ckpts, deferred, monkeypatch):  # noqa: F811
     """`backup="device"` on the GPU path: every byte beside the weights whatever `ON_DEVICE`,
     no arena reset; a rollback is exact."""
     _setup(monkeypatch, True)
@@ -251,7 +258,7 @@ def test_a_device_backup_on_the_gpu_path_is_all_device_bytes_and_no_arena(ckpts,
     assert not unchanged(model, before)
 
 
-def test_the_harness_catches_a_write_not_waiting_for_a_device_clone(ckpts, deferred, monkeypatch):
+def test_the_harness_catches_a_write_not_waiting_for_a_device_clone(ckpts, deferred, monkeypatch):  # noqa: F811
     """Teeth: with every big copy on the device, writes not told to wait for the pieces
     before `on_device` (their events dropped) are backed up after they ran: the rollback
     leaves the model changed. The split tests above would see such a bug."""
@@ -319,7 +326,8 @@ def test_a_model_whose_merged_linears_take_the_kernel_equals_the_torch_loop(ckpt
         assert not fr.compare_states(want[k], fr.snapshot(model))
     del launched[:]
     report = fr.update_weights_from_disk(model, ckpts["fp8", 0], gate)
-    assert launched == [(1, 192, 64)] and report.modules_processed == [merged[0]] and report.tensors_loaded == 6
+    assert launched == [(1, 192, 64)] and report.modules_processed == [merged[0]]
+    assert report.tensors_loaded == 6
     assert model.get_submodule(merged[0]).weight is weight
     assert not fr.compare_states(want["mixed"], fr.snapshot(model))
 
@@ -357,13 +365,13 @@ def test_a_merged_linear_processed_again_or_off_the_kernel_path_has_the_loops_by
         layer.weight_loader(layer.input_scale, torch.tensor(0.25), 0)
         layer.quant_method.process_weights_after_loading(layer)
         if interpreted:
-            kernel = case == "processed-twice"
-            assert launched == [(1, 96, 80)] * (1 + kernel) if case != "scale-not-contiguous" else launched == []
+            kernel = {"processed-twice": 2, "weight-not-contiguous": 1, "scale-not-contiguous": 0}[case]
+            assert launched == [(1, 96, 80)] * kernel
         layers.append(layer)
         monkeypatch.undo()
     want, got = layers
     for name in ("weight", "weight_scale", "input_scale"):
-        a, b = getattr(want, name).data, getattr(got, name).data
-        assert a.shape == b.shape and torch.equal(a.view(torch.uint8) if a.dtype != torch.float32 else a,
-                                                  b.view(torch.uint8) if b.dtype != torch.float32 else b), name
+        a, b = (getattr(t, name).data for t in (want, got))
+        a, b = (t.view(torch.uint8) if t.element_size() == 1 else t for t in (a, b))
+        assert a.shape == b.shape and torch.equal(a, b), name
     assert torch.equal(got.input_scale.data, torch.tensor([1.5, 1.5]))
