@@ -21,7 +21,7 @@ from fp8_reload.checkpoint import staging
 from fp8_reload.reload.backup_plan import piece_bytes
 
 from .conftest import mix_checkpoints, unchanged
-from .test_review_s17 import SPECS, _fail_processing, _setup, deferred  # noqa: F401  (a fixture)
+from .test_review_s17 import SPECS, _fail_processing, _setup, deferred, rolled_back_changed  # noqa: F401
 
 SHARES = ["first", "a third", "all but one", "all", "beyond"]
 
@@ -272,12 +272,7 @@ def test_the_harness_catches_a_write_not_waiting_for_a_device_clone(ckpts, defer
         return None if k is not None and k < self.on_device else event
 
     monkeypatch.setattr(bk.Backup, "event_for", dropped)
-    model = fr.load_model(ckpts["fp8", 0])
-    before = fr.snapshot(model)
-    _fail_processing(monkeypatch)
-    with pytest.raises(fr.CommitError, match="ZeroDivision"):
-        fr.update_weights_from_disk(model, ckpts["fp8", 1])
-    assert unchanged(model, before)
+    assert rolled_back_changed(ckpts, monkeypatch)
 
 
 # ---- a merged FP8 linear through the w13 kernel (Triton's interpreter on CPU) ----
