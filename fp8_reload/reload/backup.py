@@ -3,7 +3,8 @@
 The copies are bounded by the reload: for a FusedMoE only the reloaded expert
 slots of the two big weights, everything else of a touched module whole
 (`backup_plan`). On a GPU model they go to a pinned host arena as async
-device-to-host copies that the stream orders before the commit's writes. A
+device-to-host copies that the stream orders before the commit's writes, but for the
+first pieces the commit writes (`ON_DEVICE` bytes), copied on the device. A
 FusedMoE's slots are copied in pieces of about a chunk, in the order the commit
 writes them, an event each: the writes of a slot wait for its piece only, so the
 reload's host-to-device stream trails the backup's device-to-host one by a piece,
