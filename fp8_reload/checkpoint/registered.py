@@ -48,13 +48,14 @@ from pathlib import Path
 import torch
 
 from ..device import host_register, host_unregister
+from ..knobs import env_int
 from .files import stamp
 
 # cudaHostRegisterReadOnly: the driver pins the pages for reading only (the mapping is
 # PROT_READ; the device never writes them).
 _REGISTER_READ_ONLY = 0x08
 _PAGE = mmap.PAGESIZE
-PIECE_BYTES = int(os.environ.get("FP8_RELOAD_REGISTER_PIECE", 64 << 20))
+PIECE_BYTES = env_int("FP8_RELOAD_REGISTER_PIECE", 64 << 20, minimum=1)
 _BETWEEN_PIECES = 1e-4  # s
 
 

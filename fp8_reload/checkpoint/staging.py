@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..knobs import env_int
 from .header import forget_parsed
 
 ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can view it)
@@ -26,7 +27,7 @@ ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can vi
 # queueing the chunks, up to 16 (the H200 host's 16 cores read 1.74 GiB from the page cache in
 # 43-56 ms with 16 threads)
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-READ_THREADS = int(os.environ.get("FP8_RELOAD_READ_THREADS", str(min(16, max(2, _CORES - 1)))))
+READ_THREADS = env_int("FP8_RELOAD_READ_THREADS", min(16, max(2, _CORES - 1)), minimum=1)
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, pool)

@@ -13,7 +13,6 @@ not by a layer. The first piece is queued before the reload reads (`begin`).
 
 from __future__ import annotations
 
-import os
 from contextlib import nullcontext, suppress
 
 import torch
@@ -22,6 +21,7 @@ from torch import nn
 from ..checkpoint import staging
 from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
+from ..knobs import env_int
 from ..layers import FusedMoE
 from ..processing import reload_memory_bound
 from ..quant import index_copy_
@@ -40,7 +40,7 @@ BACKUP_PLACES = ("host", "device")
 # bytes, are copied on the device instead (`FP8_RELOAD_BACKUP_ON_DEVICE`; 0: none): their
 # writes need not wait for the link's device-to-host direction, so the host-to-device
 # copies start at once and the backup's copies through the link run that much ahead.
-ON_DEVICE = int(os.environ.get("FP8_RELOAD_BACKUP_ON_DEVICE", 256 << 20))
+ON_DEVICE = env_int("FP8_RELOAD_BACKUP_ON_DEVICE", 256 << 20)
 
 
 def device_memory_bound() -> int:

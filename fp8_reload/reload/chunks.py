@@ -38,11 +38,12 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import READ_THREADS
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
+from ..knobs import env_int
 from .targets import Target
 
-CHUNK_BYTES = int(os.environ.get("FP8_RELOAD_CHUNK_BYTES", 64 << 20))
-RING_SLOTS = int(os.environ.get("FP8_RELOAD_RING_SLOTS", 4))
-PART_BYTES = int(os.environ.get("FP8_RELOAD_PART_BYTES", 16 << 20))
+CHUNK_BYTES = env_int("FP8_RELOAD_CHUNK_BYTES", 64 << 20, minimum=1)
+RING_SLOTS = env_int("FP8_RELOAD_RING_SLOTS", 4, minimum=1)
+PART_BYTES = env_int("FP8_RELOAD_PART_BYTES", 16 << 20, minimum=1)
 READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
 if READ_IO not in ("buffered", "direct"):
     raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")

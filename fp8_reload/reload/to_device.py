@@ -47,6 +47,7 @@ from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import held, holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
+from ..knobs import env_int
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
 from .chunks import Chunk, invalid_value
@@ -54,7 +55,7 @@ from .ring import ring_for, stream_through_ring
 from .targets import Target
 
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
-REGISTER_STEP = int(os.environ.get("FP8_RELOAD_REGISTER_STEP", 4 << 30))
+REGISTER_STEP = env_int("FP8_RELOAD_REGISTER_STEP", 4 << 30)
 WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 # A chunk whose copy table is not kept (a filtered reload's) writes at most this many views
 # with a copy each: building a table and sending it to the device cost 0.2-0.3 ms of host

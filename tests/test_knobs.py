@@ -1,0 +1,44 @@
+"""`FP8_RELOAD_*` whole-number settings: read once at import, a bad value refused by name."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fp8_reload.knobs import env_int
+
+
+@pytest.mark.parametrize("raw,want", [(None, 7), ("", 7), ("  ", 7), ("0", 0), ("4096", 4096),
+                                      ("67_108_864", 64 << 20), (" 12 ", 12)])
+def test_a_whole_number_or_nothing_is_taken(monkeypatch, raw, want):
+    if raw is None:
+        monkeypatch.delenv("FP8_RELOAD_TEST_KNOB", raising=False)
+    else:
+        monkeypatch.setenv("FP8_RELOAD_TEST_KNOB", raw)
+    assert env_int("FP8_RELOAD_TEST_KNOB", 7) == want
+
+
+@pytest.mark.parametrize("raw,says", [("64M", "expected a whole number"), ("1.5", "expected a whole number"),
+                                      ("0x10", "expected a whole number"), ("0", "at least 1"),
+                                      ("-4", "at least 1")])
+def test_anything_else_is_refused_by_name(monkeypatch, raw, says):
+    monkeypatch.setenv("FP8_RELOAD_TEST_KNOB", raw)
+    with pytest.raises(ValueError, match=f"FP8_RELOAD_TEST_KNOB={raw!r}: .*{says}"):
+        env_int("FP8_RELOAD_TEST_KNOB", 7, minimum=1)
+
+
+@pytest.mark.parametrize("name,raw", [("FP8_RELOAD_CHUNK_BYTES", "64M"), ("FP8_RELOAD_CHUNK_BYTES", "0"),
+                                      ("FP8_RELOAD_RING_SLOTS", "0"), ("FP8_RELOAD_BACKUP_ON_DEVICE", "-1"),
+                                      ("FP8_RELOAD_READ_THREADS", "0"), ("FP8_RELOAD_REGISTER_PIECE", "x")])
+def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
+    """A chunk of 0 bytes or a ring of 0 slots would leave a reload nothing to make progress
+    with: refused when `fr.update_weights_from_disk` is first looked up (its modules are
+    imported then), with the setting's name."""
+    env = {**os.environ, name: raw}
+    code = "import fp8_reload as fr; fr.update_weights_from_disk"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0 and f"{name}={raw!r}" in done.stderr, done.stderr[-2000:]
+
