@@ -10,9 +10,9 @@ from __future__ import annotations
 import os
 
 
-def env_int(name: str, default: int, minimum: int = 0) -> int:
-    """`name` from the environment as an integer of at least `minimum`; `default` when unset
-    or empty. Underscores may group digits (``67_108_864``)."""
+def env_int(name: str, default: int, minimum: int | None = 0) -> int:
+    """`name` from the environment as an integer of at least `minimum` (None: any); `default`
+    when unset or empty. Underscores may group digits (``67_108_864``)."""
     raw = os.environ.get(name, "").strip()
     if not raw:
         return default
@@ -21,6 +21,6 @@ def env_int(name: str, default: int, minimum: int = 0) -> int:
     except ValueError:
         raise ValueError(f"{name}={raw!r}: expected a whole number (in bytes where it is a size), "
                          f"such as the default {default}") from None
-    if value < minimum:
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name}={raw!r}: must be at least {minimum}")
     return value

@@ -42,3 +42,15 @@ def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and f"{name}={raw!r}" in done.stderr, done.stderr[-2000:]
 
+
+def test_the_registration_budget_is_read_the_same_way(monkeypatch):
+    """(Read at each reload: the host's memory may change.) Unset: half the host's memory."""
+    from fp8_reload.reload import to_device
+
+    monkeypatch.delenv("FP8_RELOAD_REGISTER_BUDGET", raising=False)
+    assert to_device._register_budget() > 0
+    monkeypatch.setenv("FP8_RELOAD_REGISTER_BUDGET", "1_000")
+    assert to_device._register_budget() == 1000
+    monkeypatch.setenv("FP8_RELOAD_REGISTER_BUDGET", "4G")
+    with pytest.raises(ValueError, match="FP8_RELOAD_REGISTER_BUDGET='4G': expected a whole number"):
+        to_device._register_budget()

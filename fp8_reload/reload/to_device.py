@@ -64,13 +64,11 @@ FEW_ROWS = 16
 
 
 def _register_budget() -> int:
-    env = os.environ.get("FP8_RELOAD_REGISTER_BUDGET")
-    if env is not None:
-        return int(env)
     try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+        half = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     except (ValueError, OSError):
-        return 0
+        half = 0
+    return env_int("FP8_RELOAD_REGISTER_BUDGET", half, minimum=None)  # (<= 0: register nothing)
 
 
 class DeviceSlots:
