@@ -32,11 +32,19 @@ def amax_scale(x: torch.Tensor, dims: tuple[int, ...] | None = None) -> torch.Te
     """Dynamic per-tensor (or per-slice over `dims`) scale: amax / FP8_MAX (as amax * INV_FP8_MAX)."""
     if x.dtype == FP8_DTYPE:  # no FP8 reductions on CPU
         x = x.to(torch.float32)
-    if dims is None:  # max |x| = max(max x, -min x), exactly: no temporary of x's size
+    if dims is None:
+        return amax_scale_of([x])
+    return (x.abs().amax(dim=dims).to(torch.float32) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
+
+
+def amax_scale_of(parts) -> torch.Tensor:
+    """`amax_scale` of the concatenation of `parts` (high-precision tensors of one dtype),
+    without making it: a maximum is exact, so the bits are those of the whole."""
+    a = None
+    for x in parts:  # max |x| = max(max x, -min x), exactly: no temporary of x's size
         lo, hi = torch.aminmax(x)
-        a = torch.maximum(hi, lo.neg())
-    else:
-        a = x.abs().amax(dim=dims)
+        m = torch.maximum(hi, lo.neg())
+        a = m if a is None else torch.maximum(a, m)
     return (a.to(torch.float32) * INV_FP8_MAX).clamp_(min=MIN_SCALE)
 
 

@@ -32,7 +32,8 @@ def test_anything_else_is_refused_by_name(monkeypatch, raw, says):
 
 @pytest.mark.parametrize("name,raw", [("FP8_RELOAD_CHUNK_BYTES", "64M"), ("FP8_RELOAD_CHUNK_BYTES", "0"),
                                       ("FP8_RELOAD_RING_SLOTS", "0"), ("FP8_RELOAD_BACKUP_ON_DEVICE", "-1"),
-                                      ("FP8_RELOAD_READ_THREADS", "0"), ("FP8_RELOAD_REGISTER_PIECE", "x")])
+                                      ("FP8_RELOAD_READ_THREADS", "0"), ("FP8_RELOAD_REGISTER_PIECE", "x"),
+                                      ("FP8_RELOAD_STREAM_QUANT", "yes")])
 def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
     """A chunk of 0 bytes or a ring of 0 slots would leave a reload nothing to make progress
     with: refused when `fr.update_weights_from_disk` is first looked up (its modules are

@@ -16,6 +16,7 @@ import torch
 
 import fp8_reload as fr
 import fp8_reload.reload.stream as stream_mod
+import fp8_reload.reload.targets as targets_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as tx
 
@@ -82,7 +83,9 @@ def test_loader_read_raises_a_bad_value_on_the_callers_thread(ckpts, tmp_path):
 
 @pytest.fixture
 def spied(monkeypatch):
-    """Every `LoaderRead` a reload makes."""
+    """Every `LoaderRead` a reload makes; the linears take their loaders (on a GPU they are
+    quantized in the stream by default: FP8_RELOAD_STREAM_QUANT=experts)."""
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", ("experts",))
     made, real = [], stream_mod.LoaderRead
 
     def spy(*a, **k):

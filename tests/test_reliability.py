@@ -358,7 +358,7 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
     if attr == "_quantize_chunk" and device != "cuda":
         pytest.skip("bf16 experts are quantized in the stream on a GPU only (on CPU: their loaders)")
     if attr == "_load_into_slot" and kind == "bf16" and device == "cuda":
-        monkeypatch.setattr(targets_mod, "STREAM_QUANT", False)  # (FP8_RELOAD_STREAM_QUANT=0)
+        monkeypatch.setattr(targets_mod, "STREAM_QUANT", ())  # (FP8_RELOAD_STREAM_QUANT=0)
     if attr in ("offset_of", "_quantize_chunk") and device == "cuda":
         # on a GPU a chunk's tensors are written together (one scatter): fault the landing
         # of the second of many small chunks, the first one written

@@ -180,12 +180,14 @@ def test_registrations_dropped_are_unregistered_under_the_weights_lock(ckpts, mo
     fr.release_staging(model)
 
 
-@pytest.mark.parametrize("in_stream", [True, False], ids=["in-stream", "loaders"])
+@pytest.mark.parametrize("in_stream", [("experts", "linears"), ("experts",), ()],
+                         ids=["in-stream", "experts-only", "loaders"])
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
 def test_bf16_quantized_inside_the_stream_equals_a_fresh_load(ckpts, tmp_path, tiny_ring, monkeypatch, spec,
                                                               in_stream):
-    """bf16 experts quantized from a device slot (the default on a GPU), or through their
-    loaders (FP8_RELOAD_STREAM_QUANT=0). A filtered reload whose targets were all quantized
+    """bf16 experts and linears quantized from a device slot (the default on a GPU), the
+    experts alone (FP8_RELOAD_STREAM_QUANT=experts), or everything through its loader
+    (FP8_RELOAD_STREAM_QUANT=0). A filtered reload whose targets were all quantized
     in the stream once took the host path (no target had a view to tell the device by) and
     wrote nothing."""
     import fp8_reload.reload.targets as targets_mod
@@ -248,7 +250,7 @@ def test_streaming_and_staged_engines_agree(ckpts, tiny_ring, monkeypatch, devic
 def test_chunks_are_one_file_each_merge_adjacent_tensors_and_never_split_an_expert(ckpts, monkeypatch):
     import fp8_reload.reload.targets as targets_mod
 
-    monkeypatch.setattr(targets_mod, "STREAM_QUANT", True)
+    monkeypatch.setattr(targets_mod, "STREAM_QUANT", ("experts", "linears"))
     ckpt = fr.Checkpoint(ckpts["bf16", 0])
     model = fr.load_model(ckpts["bf16", 0])
     targets = plan_targets(model, [ckpt.info(n) for n in ckpt.names], quantize_on_device=True)

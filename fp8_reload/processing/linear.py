@@ -10,13 +10,14 @@ from ..layers import set_weight_attrs
 from ..quant import (
     FP8_DTYPE,
     amax_scale,
+    amax_scale_of,
     by_row_blocks_,
     dequantize,
     quantize_dynamic,
     quantize_static,
     requantize,
 )
-from .ops import gather_to, on_triton, process_fp8_experts_
+from .ops import on_triton, process_fp8_experts_
 
 
 def _new_scale(n: int, device, fill: float, loader=None) -> Parameter:
@@ -139,6 +140,25 @@ class FixedFp8LinearMethod:
         layer.staged = {}
 
     @staticmethod
+    def shard_keys(layer) -> list[int | None]:
+        """The shard ids a checkpoint's tensors of the weight come with: None for a weight
+        of one, else one per logical width."""
+        n = len(layer.logical_widths)
+        return [None] if n == 1 else list(range(n))
+
+    def quantize_shards_(self, layer, shards: dict) -> None:
+        """bf16 `shards` (``{shard id: tensor}``, every one of `shard_keys`, on the weight's
+        device) into the FP8 weight with one dynamic scale, the amax of all of them: what a
+        fresh load computes. Post-processing calls it on the staged tensors, the streaming
+        reload on the tensors where they landed in device memory."""
+        w = self.checkpoint_view(layer)
+        scale = amax_scale_of(shards.values())
+        for k, src in shards.items():
+            start, rows = _shard_rows(layer, k)
+            by_row_blocks_(w.narrow(0, start, rows), src, lambda block: quantize_static(block, scale))
+        layer.weight_scale.data.fill_(scale)
+
+    @staticmethod
     def checkpoint_view(layer) -> torch.Tensor:
         w = layer.weight.data
         return w.t() if layer.kernel_layout else w
@@ -191,15 +211,12 @@ class FixedFp8LinearMethod:
             a = layer.input_scale.data
             if a.numel() > 1:
                 a.fill_(a.max())
-        else:
-            keys = [None] if len(layer.logical_widths) == 1 else list(range(len(layer.logical_widths)))
+        elif layer.staged:  # (nothing staged: the streaming reload quantized it where it landed)
+            keys = self.shard_keys(layer)
             missing = [k for k in keys if k not in layer.staged]
             if missing:
                 raise RuntimeError(f"quantize-on-load: shards {missing} of the layer were not loaded")
-            full = gather_to(w.device, [[layer.staged[k] for k in keys]])[0]
-            scale = amax_scale(full)
-            by_row_blocks_(w, full, lambda rows: quantize_static(rows, scale))
-            layer.weight_scale.data.fill_(scale)
+            self.quantize_shards_(layer, {k: layer.staged[k].to(w.device, non_blocking=True) for k in keys})
             layer.staged.clear()
         if not layer.kernel_layout:
             layer.weight.data = layer.weight.data.t()

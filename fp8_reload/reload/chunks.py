@@ -102,7 +102,8 @@ class Chunk:
 
 
 def unit_of(t: Target):
-    """Targets that must share a chunk: the pieces of one bf16 expert (quantized together)."""
+    """Targets that must share a chunk: the pieces of one bf16 expert, the shards of one bf16
+    linear (quantized together)."""
     return (t.module_name, tuple(t.slots)) if t.kind == "quant" else id(t)
 
 
@@ -112,20 +113,24 @@ def round_up(n: int, align: int) -> int:
 
 def make_chunks(targets: list[Target], chunk_bytes: int | None = None,
                 align: int | None = None) -> list[Chunk]:
-    """Cut the targets (in file order) into chunks of about `chunk_bytes` (default
-    `CHUNK_BYTES`), one file each, never splitting a unit; adjacent tensors share one
-    span (one read, one copy). `align` > 1 (default: `DIRECT_ALIGN` when `READ_IO` is
-    direct) lays the spans for direct reads: each at its file offset modulo `align`,
-    past the whole blocks of the one before."""
+    """Cut the targets (in file order) into chunks of at most `chunk_bytes` (default
+    `CHUNK_BYTES`) or one unit, one file each, never splitting a unit (one that does not
+    fit whole starts a chunk); adjacent tensors share one span (one read, one copy).
+    `align` > 1 (default: `DIRECT_ALIGN` when `READ_IO` is direct) lays the spans for
+    direct reads: each at its file offset modulo `align`, past the whole blocks of the one
+    before."""
     chunk_bytes = CHUNK_BYTES if chunk_bytes is None else chunk_bytes
     if align is None:
         align = DIRECT_ALIGN if READ_IO == "direct" else 1
+    unit_bytes: dict = {}
+    for t in targets:
+        unit_bytes[unit_of(t)] = unit_bytes.get(unit_of(t), 0) + t.info.nbytes
     chunks: list[Chunk] = []
     current, last_unit = None, None
     for t in targets:
         info, unit = t.info, unit_of(t)
         fits = current is not None and current.file == info.file and (
-            unit == last_unit or current.nbytes + info.nbytes <= chunk_bytes)
+            unit == last_unit or current.nbytes + unit_bytes[unit] <= chunk_bytes)
         if not fits:
             current = Chunk(info.file, [], align=align)
             chunks.append(current)

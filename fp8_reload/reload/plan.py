@@ -24,6 +24,7 @@ from ..errors import (
     MissingTensorError,
     ReloadError,
 )
+from . import chunks as _chunks
 from .filters import ExpertFilter, NameFilter, expected_layout, units
 from .targets import Target, TargetCache, plan_targets
 
@@ -196,7 +197,9 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
             and ckpt.same_headers(kept[3])):
         return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
-    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache)
+    # (a linear quantized in the stream lands whole in one chunk's device buffer: at most a chunk)
+    targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache,
+                           unit_bytes=_chunks.CHUNK_BYTES)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
         cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers())
     return names, targets

@@ -8,7 +8,8 @@ Kinds of target:
 * ``copy``: bytes go as they are into one or more contiguous views (FP8 weights of
   experts and linears, norms, the router);
 * ``scalar``: a 0-dim scale, written from host values (read and checked first);
-* ``quant``: a bf16 expert weight, quantized into its FP8 slot on the device;
+* ``quant``: a bf16 weight quantized on load, on the device where it landed: an expert's
+  three pieces into its FP8 slot, or a linear's shards into its FP8 weight (one unit each);
 * ``loader``: everything else, through the module's own ``weight_loader``.
 """
 
@@ -35,28 +36,35 @@ class Target:
     module: nn.Module | None = None
     module_name: str = ""
     slots: list[int] = field(default_factory=list)  # FusedMoE local slots written
-    shard: str | None = None  # w1 | w2 | w3 for quant targets
+    shard: str | int | None = None  # quant targets: w1 | w2 | w3 of an expert, a linear's shard id
 
 
 def _default_loaded(param) -> bool:
     return not hasattr(param, "weight_loader")
 
 
-# bf16 experts quantized inside the stream (a device slot, then `quantize_experts_`): on
-# unless FP8_RELOAD_STREAM_QUANT=0 (then they take their loaders: staged in pinned memory,
+# The bf16 weights quantized inside the stream (a device slot, then `quantize_experts_`, or a
+# linear's `quantize_shards_`), FP8_RELOAD_STREAM_QUANT: 1 (default) experts and linears,
+# "experts" the experts only, 0 none; the others take their loaders (staged in pinned memory,
 # quantized by post-processing).
-STREAM_QUANT = os.environ.get("FP8_RELOAD_STREAM_QUANT", "1") != "0"
+STREAM_QUANT = {"1": ("experts", "linears"), "experts": ("experts",), "0": ()}.get(
+    os.environ.get("FP8_RELOAD_STREAM_QUANT", "1"))
+if STREAM_QUANT is None:
+    raise ValueError(f"FP8_RELOAD_STREAM_QUANT={os.environ['FP8_RELOAD_STREAM_QUANT']!r}: expected 1, "
+                     "experts or 0")
 
 
 def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
-                 cache: TargetCache | None = None) -> list[Target]:
+                 cache: TargetCache | None = None, unit_bytes: int | None = None) -> list[Target]:
     """One `Target` per tensor that lands somewhere, in file order.
 
-    Tensors of experts this rank does not hold land nowhere and are dropped. bf16 expert
-    weights are quantized in the copy path only with `quantize_on_device` (a GPU with
-    Triton) and when an expert's three pieces are adjacent in one file; otherwise they
-    take the loader, which stages them for post-processing. `cache` keeps what was
-    worked out for each tensor between calls (see `TargetCache`).
+    Tensors of experts this rank does not hold land nowhere and are dropped. bf16 weights
+    are quantized in the copy path only with `quantize_on_device` (a GPU with Triton) and
+    when the tensors quantized together (an expert's three pieces, a linear's shards) are
+    adjacent in one file, a linear's at most `unit_bytes` (the device buffer a chunk lands
+    in holds them all); otherwise they take the loader, which stages them for
+    post-processing. `cache` keeps what was worked out for each tensor between calls (see
+    `TargetCache`).
     """
     cache = TargetCache() if cache is None else cache
     checked: dict[str, dict] = {}
@@ -70,7 +78,7 @@ def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,
             target = known[info.name] = replace(target, info=info)
         if target is not None:  # quant targets are decided per call: a copy of the cached one
             out.append(replace(target) if target.kind == "quant" else target)
-    _quant_units_or_loader(out, quantize_on_device)
+    _quant_units_or_loader(out, quantize_on_device, unit_bytes)
     return out
 
 
@@ -182,13 +190,14 @@ def _landing(model, info: TensorInfo) -> Target | None:
     target.module_name = module_name
     if target.kind in ("copy", "scalar") and not target.views:
         return None
-    if target.kind == "quant" and not target.slots:
+    if target.kind == "quant" and isinstance(module, FusedMoE) and not target.slots:
         return None
     return target
 
 
-def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool) -> None:
-    """Quant targets whose expert cannot be quantized in one piece become loader targets."""
+def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool, unit_bytes: int | None) -> None:
+    """Quant targets whose expert or linear cannot be quantized in one piece become loader
+    targets."""
     runs: list[list[Target]] = []
     last = None  # (unit, file, position) of the previous quant target
     for pos, t in enumerate(targets):
@@ -201,8 +210,15 @@ def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool) -> N
             runs.append([t])
         last = (*here, pos)
     for run in runs:
-        whole = sorted(t.shard for t in run) == ["w1", "w2", "w3"]
-        if not (quantize_on_device and STREAM_QUANT and whole):
+        module = run[0].module
+        if isinstance(module, FusedMoE):
+            what, whole = "experts", sorted(t.shard for t in run) == ["w1", "w2", "w3"]
+        else:
+            keys = module.quant_method.shard_keys(module)
+            what = "linears"
+            whole = (len(run) == len(keys) and {t.shard for t in run} == set(keys)
+                     and (unit_bytes is None or sum(t.info.nbytes for t in run) <= unit_bytes))
+        if not (quantize_on_device and what in STREAM_QUANT and whole):
             for t in run:
                 t.kind = "loader"
 
@@ -216,9 +232,10 @@ def _target(info: TensorInfo, param, module, kw) -> Target:
         kind = "scalar" if not info.shape else "copy"
         return Target(info, kind, views, module, slots=slots)
     if isinstance(module, Fp8Linear) and isinstance(module.quant_method, FixedFp8LinearMethod):
-        view = module.quant_method.destination(module, param, kw.get("loaded_shard_id"))
-        if view is None:
-            return Target(info, "loader", module=module)
+        shard = kw.get("loaded_shard_id")
+        view = module.quant_method.destination(module, param, shard)
+        if view is None:  # quantized on load: with its other shards, in the stream or by its loader
+            return Target(info, "quant", [], module, shard=shard)
         return Target(info, "scalar" if not info.shape else "copy", [view], module)
     if _default_loaded(param) and param.shape == info.shape and param.data.is_contiguous():
         return Target(info, "copy", [param.data], module)

@@ -28,8 +28,8 @@ the file's pages in the page cache, which direct reads keep clear.
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
 slots it overwrites: FP8 tensors by one copy launch per chunk (`copy_rows`, its table
-kept between reloads), bf16 experts (quantized on load) by the quantization
-into their FP8 slots. While one buffer is scattered the next chunk fills the other, so
+kept between reloads), bf16 weights (quantized on load) by the quantization
+into their FP8 places. While one buffer is scattered the next chunk fills the other, so
 the link runs without gaps. Device memory beyond the model is two chunks
 (``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB).
 """
@@ -48,6 +48,7 @@ from ..checkpoint.staging import held, holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
 from ..knobs import env_int
+from ..layers import FusedMoE
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
 from .chunks import Chunk, invalid_value
@@ -196,9 +197,10 @@ def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: i
 
 
 def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> None:
-    """The bf16 experts of `chunk`, now in device memory `src`, into their FP8 slots (two
-    launches per layer shape, each expert a row of addresses); with `checks`, their values'
-    flags are appended ((targets, flags))."""
+    """The bf16 weights of `chunk`, now in device memory `src`, into their FP8 places: its
+    experts into their slots (two launches per layer shape, each expert a row of addresses),
+    its linears by their `quantize_shards_`; with `checks`, their values' flags are
+    appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_experts_  # needs triton: imported on use
 
     by_unit: dict = {}
@@ -211,6 +213,9 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         views = {s: chunk.source(src, t) for s, t in shards.items()}
         checked += [(t, views[s]) for s, t in shards.items()]
         layer = next(iter(shards.values())).module
+        if not isinstance(layer, FusedMoE):  # a linear's shards (torch ops, on this stream)
+            layer.quant_method.quantize_shards_(layer, views)
+            continue
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
         s13, s2 = layer.w13_weight_scale.data, layer.w2_weight_scale.data
         numel = w2[0].numel()
