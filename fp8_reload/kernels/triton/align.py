@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..routing import RoutedRows, align_up
-from .runtime import INTERPRET, cdiv, check_device, launch, next_pow2, tl, triton
+from .runtime import INTERPRET, cdiv, check_device, next_pow2, tl, triton
 
 PAIRS_PER_PROGRAM = 256
 CHUNK = 1024  # pairs (and rows) the align program handles at once
@@ -87,11 +87,11 @@ def align_pairs(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Route
     block_experts = torch.empty(num_rows // block_m, dtype=torch.int32, device=dev)
     row_pair = torch.empty(num_rows, dtype=torch.int32, device=dev)
     pos = torch.empty(p, dtype=torch.int32, device=dev)
-    launch(_align_kernel, (1,), ids, cursor, block_experts, row_pair, p, num_experts, num_rows,
-           BLOCK_M=block_m, E_POW2=next_pow2(num_experts + 1), CHUNK=64 if INTERPRET else CHUNK,
-           B_CHUNK=B_CHUNK)
-    launch(_scatter_kernel, (cdiv(p, PAIRS_PER_PROGRAM),), ids, cursor, pos, row_pair, p,
-           PAIRS=PAIRS_PER_PROGRAM)
+    _align_kernel[(1,)](ids, cursor, block_experts, row_pair, p, num_experts, num_rows,
+                        BLOCK_M=block_m, E_POW2=next_pow2(num_experts + 1),
+                        CHUNK=64 if INTERPRET else CHUNK, B_CHUNK=B_CHUNK)
+    _scatter_kernel[(cdiv(p, PAIRS_PER_PROGRAM),)](ids, cursor, pos, row_pair, p,
+                                                          PAIRS=PAIRS_PER_PROGRAM)
     return RoutedRows(pos=pos, row_expert=None, row_pair=row_pair, counts=None, num_rows=num_rows,
                       rows_per_group=num_rows, align=block_m, top_k=top_k,
                       block_experts=block_experts)

@@ -24,7 +24,7 @@ from ..routing import RoutedRows
 from ..scales import BLOCK, cached_kernel_scales
 from .align import align_pairs
 from .jit import combine_kernel, group_quant_kernel, moe_down_kernel, moe_up_kernel, quant_tensor_kernel
-from .runtime import INTERPRET, INTERPRETER_ROWS, cdiv, check_device, launch, launch_opts, next_pow2, pow2
+from .runtime import INTERPRET, INTERPRETER_ROWS, cdiv, check_device, launch_opts, next_pow2, pow2
 
 
 def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None):
@@ -37,7 +37,7 @@ def quantize_per_tensor(x: torch.Tensor, scale: torch.Tensor | None):
     n = x.numel()
     block = 1024
     s = scale.reshape(1).to(device=x.device, dtype=torch.float32)
-    launch(quant_tensor_kernel, (cdiv(n, block),), x, q, s, n, BLOCK=block, EXACT=INTERPRET)
+    quant_tensor_kernel[(cdiv(n, block),)](x, q, s, n, BLOCK=block, EXACT=INTERPRET)
     return q, s
 
 
@@ -71,11 +71,11 @@ def group_quant_rows(src: torch.Tensor, layout: RoutedRows, q: torch.Tensor, sf:
         raise ValueError(f"source width {src2.shape[1]} does not match K={k} (silu={silu})")
     groups = cdiv(k, BLOCK)
     pairs = INTERPRETER_ROWS if INTERPRET else 1
-    launch(group_quant_kernel, (cdiv(layout.num_pairs, pairs),),
-           src2, layout.pos, q, sf, layout.num_pairs, k, src2.stride(0), q.stride(0),
-           layout.rows_per_group, sf.stride(0), sf.stride(2),
-           TOP_K=layout.top_k, SILU=silu, PAIRS=pairs, NUM_GROUPS=next_pow2(groups),
-           GROUP=BLOCK, EXACT=INTERPRET)
+    group_quant_kernel[(cdiv(layout.num_pairs, pairs),)](
+        src2, layout.pos, q, sf, layout.num_pairs, k, src2.stride(0), q.stride(0),
+        layout.rows_per_group, sf.stride(0), sf.stride(2),
+        TOP_K=layout.top_k, SILU=silu, PAIRS=pairs, NUM_GROUPS=next_pow2(groups),
+        GROUP=BLOCK, EXACT=INTERPRET)
 
 
 def group_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -107,9 +107,9 @@ def combine_rows(y: torch.Tensor, layout: RoutedRows, topk_weights: torch.Tensor
     w = topk_weights.reshape(-1).to(torch.float32).contiguous()
     block = pow2(n, 16, 1024)
     tokens = INTERPRETER_ROWS if INTERPRET else 1
-    launch(combine_kernel, (cdiv(t, tokens), cdiv(n, block)),
-           y2, layout.pos, w, out, t, n, y2.stride(0), out.stride(0), TOP_K=layout.top_k,
-           TOKENS=tokens, BLOCK_N=block)
+    combine_kernel[(cdiv(t, tokens), cdiv(n, block))](
+        y2, layout.pos, w, out, t, n, y2.stride(0), out.stride(0), TOP_K=layout.top_k,
+        TOKENS=tokens, BLOCK_N=block)
     return out
 
 
@@ -183,17 +183,18 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
         a2_buf = torch.zeros(1, dtype=torch.float32, device=x.device)
     up = cfg["up"]
     grid = (rows.num_rows // bm, cdiv(inter, up["BLOCK_N"]))
-    launch(moe_up_kernel, grid, xq, w13, w13_scale, a13, rows.row_pair, block_expert, act, a2_buf,
-           h, inter, xq.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
-           TOP_K=rows.top_k, BLOCK_M=bm, BLOCK_N=up["BLOCK_N"], BLOCK_K=up["BLOCK_K"],
-           STATIC_A2=static_a2, QUANT_A=quant_a, EXACT=INTERPRET, **launch_opts(up))
+    moe_up_kernel[grid](xq, w13, w13_scale, a13, rows.row_pair, block_expert, act, a2_buf,
+                         h, inter, xq.stride(0), w13.stride(0), w13.stride(1), act.stride(0),
+                         TOP_K=rows.top_k, BLOCK_M=bm, BLOCK_N=up["BLOCK_N"],
+                         BLOCK_K=up["BLOCK_K"], STATIC_A2=static_a2, QUANT_A=quant_a,
+                         EXACT=INTERPRET, **launch_opts(up))
     y = torch.empty(rows.num_rows, h, dtype=torch.bfloat16, device=x.device)
     down = cfg["down"]
     grid = (rows.num_rows // bm, cdiv(h, down["BLOCK_N"]))
-    launch(moe_down_kernel, grid, act, w2, w2_scale, a2_buf, rows.row_pair, block_expert, y,
-           inter, h, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
-           BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],
-           STATIC_A2=static_a2, EXACT=INTERPRET, **launch_opts(down))
+    moe_down_kernel[grid](act, w2, w2_scale, a2_buf, rows.row_pair, block_expert, y,
+                           inter, h, act.stride(0), w2.stride(0), w2.stride(1), y.stride(0),
+                           BLOCK_M=bm, BLOCK_N=down["BLOCK_N"], BLOCK_K=down["BLOCK_K"],
+                           STATIC_A2=static_a2, EXACT=INTERPRET, **launch_opts(down))
     return combine_rows(y, rows, topk_weights)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from ...quant import INV_FP8_MAX, MIN_SCALE
 from .fp8 import to_fp8
-from .runtime import INTERPRET, cdiv, check_device, device_ints, launch_hooks_set, next_pow2, tl, triton
+from .runtime import INTERPRET, cdiv, check_device, device_ints, next_pow2, tl, triton
 
 BLOCK = 4096  # elements per step of a program
 EXACT = INTERPRET
@@ -237,7 +237,10 @@ PREPARED = os.environ.get("FP8_RELOAD_FAST_LAUNCH", "1") != "0"
 def _launch(kernel, compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int) -> None:
     global PREPARED
     run = compiled.get(sub) if PREPARED and dev >= 0 else None
-    if run is not None and torch._C._cuda_getDevice() == dev and not launch_hooks_set():
+    hooks = triton.knobs.runtime if run is not None else None
+    if (run is not None and torch._C._cuda_getDevice() == dev
+            and not getattr(hooks.launch_enter_hook, "calls", hooks.launch_enter_hook)
+            and not getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook)):
         try:
             run.run(*grid, *(1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(dev), run.function,
                     run.packed_metadata, None, None, None, *args)
