@@ -278,6 +278,8 @@ COMMIT_POINTS = [
     ("expert-loader", FusedMoE, "_load_into_slot", 4),  # the staged engine's loaders
     ("stream-quant", to_device, "_quantize_chunk", 2),  # bf16 experts quantized in the stream (GPU)
     ("linear-loader", proc.FixedFp8LinearMethod, "load_linear", 3),
+    # bf16 linears quantized where they land (GPU), or in post-processing (CPU)
+    ("linear-quant", proc.FixedFp8LinearMethod, "quantize_shards_", 3),
 ]
 # ... and inside post-processing
 PROCESS_POINTS = [
@@ -337,7 +339,7 @@ def _fault_cases():
             for spec_name, spec in (("full", None), ("filtered", FILTERED)):
                 if name == "requantize-kernel" and kind == "bf16":
                     continue  # the FP8-checkpoint path only
-                if name in ("quantize-kernel", "stream-quant") and kind == "fp8":
+                if name in ("quantize-kernel", "stream-quant", "linear-quant") and kind == "fp8":
                     continue  # the quantize-on-load path only
                 if name.startswith("linear") and spec is not None:
                     continue  # the filter holds experts only
@@ -359,6 +361,8 @@ def test_fault_mid_commit_or_processing_rolls_back(ckpts, tiny_cfg, tmp_path, mo
         pytest.skip("bf16 experts are quantized in the stream on a GPU only (on CPU: their loaders)")
     if attr == "_load_into_slot" and kind == "bf16" and device == "cuda":
         monkeypatch.setattr(targets_mod, "STREAM_QUANT", ())  # (FP8_RELOAD_STREAM_QUANT=0)
+    if attr == "load_linear" and kind == "bf16" and device == "cuda":  # (on a GPU they stream)
+        monkeypatch.setattr(targets_mod, "STREAM_QUANT", ("experts",))  # (FP8_RELOAD_STREAM_QUANT=experts)
     if attr in ("offset_of", "_quantize_chunk") and device == "cuda":
         # on a GPU a chunk's tensors are written together (one scatter): fault the landing
         # of the second of many small chunks, the first one written
