@@ -150,7 +150,9 @@ class FixedFp8LinearMethod:
         """bf16 `shards` (``{shard id: tensor}``, every one of `shard_keys`, on the weight's
         device) into the FP8 weight with one dynamic scale, the amax of all of them: what a
         fresh load computes. Post-processing calls it on the staged tensors, the streaming
-        reload on the tensors where they landed in device memory."""
+        reload on the tensors where they landed in device memory. What was staged before is
+        superseded (a loaded but unprocessed layer reloaded: review s20)."""
+        layer.staged.clear()
         w = self.checkpoint_view(layer)
         scale = amax_scale_of(shards.values())
         for k, src in shards.items():
@@ -217,7 +219,6 @@ class FixedFp8LinearMethod:
             if missing:
                 raise RuntimeError(f"quantize-on-load: shards {missing} of the layer were not loaded")
             self.quantize_shards_(layer, {k: layer.staged[k].to(w.device, non_blocking=True) for k in keys})
-            layer.staged.clear()
         if not layer.kernel_layout:
             layer.weight.data = layer.weight.data.t()
             layer.kernel_layout = True
