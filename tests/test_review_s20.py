@@ -350,17 +350,19 @@ def test_a_full_reload_of_a_model_built_but_never_loaded_equals_a_fresh_load(ckp
     assert fr.compare_states(_fresh(ckpts["bf16", 1]), fr.snapshot(model)) == []
 
 
+@pytest.mark.parametrize("what", ["linears", "everything"])
 def test_a_full_reload_of_a_model_loaded_but_never_processed_equals_a_fresh_load(
-        ckpts, gpu_path):  # noqa: F811
+        ckpts, gpu_path, what):  # noqa: F811
     """Found by this review (bug of 13254e0, fixed): the linears given to `load_weights`
     (staged, as sglang's loading does) and the model reloaded before its post-processing. The
     reload streamed and quantized the new linears in place; post-processing then found the old
     staged shards and quantized them over the new values: the old checkpoint's linears won,
-    silently. `quantize_shards_` now drops what was staged before. (A bf16 FusedMoE's staged
-    experts did the same before 13254e0 too: not covered here.)"""
+    silently. `quantize_shards_` now drops what was staged before, and so does the stream's
+    quantization of an expert (its staged pieces did the same before 13254e0)."""
+    _cpu_tensors_reach_triton("bf16")
     model = _built(ckpts["bf16", 0])
     ckpt = fr.Checkpoint(ckpts["bf16", 0])
-    names = [n for n in ckpt.names if "experts." not in n]
+    names = [n for n in ckpt.names if what == "everything" or "experts." not in n]
     model.load_weights(list(ckpt.read(names)))
     fr.update_weights_from_disk(model, ckpts["bf16", 1])
     assert fr.compare_states(_fresh(ckpts["bf16", 1]), fr.snapshot(model)) == []
@@ -537,7 +539,6 @@ def test_cuda_a_model_loaded_but_never_processed(ckpts):
 
     ckpt = fr.Checkpoint(ckpts["bf16", 0])
     model = fr.FP8MoEModel(ckpt.config, get_mode("fixed"), ckpt.kind, device="cuda")
-    names = [n for n in ckpt.names if "experts." not in n]
-    model.load_weights([(n, t.to("cuda")) for n, t in ckpt.read(names)])
+    model.load_weights([(n, t.to("cuda")) for n, t in ckpt.read(ckpt.names)])  # (experts too)
     fr.update_weights_from_disk(model, ckpts["bf16", 1])
     assert fr.compare_states(_fresh_cuda(ckpts["bf16", 1]), fr.snapshot(model)) == []

@@ -227,7 +227,9 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         rows = rows_of.setdefault((numel, s13.numel() // s13.shape[0]), [])
         src3 = (views["w1"].data_ptr(), views["w3"].data_ptr(), views["w2"].data_ptr())
         row = expert_rows(w13, s13, w2, s2)
-        rows += [row(slot, src3) for slot in next(iter(shards.values())).slots]
+        for slot in next(iter(shards.values())).slots:  # (what was staged for it is superseded)
+            rows.append(row(slot, src3))
+            layer.staged.pop(slot, None)
     if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
         checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
     for (numel, cols), rows in rows_of.items():
