@@ -256,12 +256,9 @@ def test_linear_shards_in_other_files_reversed_or_apart_equal_a_fresh_load(ckpts
 def test_chunk_sizes_around_a_merged_linear_equal_a_fresh_load(ckpts, gpu_path, monkeypatch,  # noqa: F811
                                                               chunk_bytes):
     """gate_up of layer 0 is 2 x 12288 bytes, a shared expert's 2 x 4096: below, at and above
-    what streams (a unit of at most `unit_bytes`: one chunk at 13254e0, `LINEAR_UNIT_CHUNKS`
-    chunks where the plan has that)."""
-    import fp8_reload.reload.plan as plan_mod
-
+    what streams (a linear of at most one chunk)."""
     monkeypatch.setattr(chunks_mod, "CHUNK_BYTES", chunk_bytes)
-    cap = getattr(plan_mod, "LINEAR_UNIT_CHUNKS", 1) * chunk_bytes
+    cap = chunk_bytes
     model = fr.load_model(ckpts["bf16", 0])
     kinds = _kinds(model, ckpts["bf16", 1])
     assert kinds[GATE] == kinds[UP] == ("quant" if 2 * 12288 <= cap else "loader")

@@ -184,9 +184,6 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     return selected
 
 
-LINEAR_UNIT_CHUNKS = 2
-
-
 def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
                 quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
     """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
@@ -201,9 +198,10 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
         return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
     # a linear quantized in the stream lands whole in one of the two device buffers, which grow
-    # to the biggest chunk: at most two chunks' bytes (v2-lite's dense gate_up, 85.5 MiB, streams)
+    # to the biggest chunk: at most a chunk's bytes (two chunks, streaming v2-lite's 85.5 MiB
+    # dense gate_up too, measured no faster on the H200 and slower first reloads: results/README)
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache,
-                           unit_bytes=LINEAR_UNIT_CHUNKS * _chunks.CHUNK_BYTES)
+                           unit_bytes=_chunks.CHUNK_BYTES)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
         cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers())
     return names, targets

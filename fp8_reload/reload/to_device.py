@@ -31,8 +31,7 @@ slots it overwrites: FP8 tensors by one copy launch per chunk (`copy_rows`, its 
 kept between reloads), bf16 weights (quantized on load) by the quantization
 into their FP8 places. While one buffer is scattered the next chunk fills the other, so
 the link runs without gaps. Device memory beyond the model is two chunks
-(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB), or two of the biggest unit
-streamed whole (a bf16 linear, at most two chunks).
+(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB).
 """
 
 from __future__ import annotations
