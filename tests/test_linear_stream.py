@@ -156,3 +156,18 @@ def test_a_bad_value_in_a_streamed_linear_rolls_back(ckpts, tmp_path, gpu_path):
         fr.update_weights_from_disk(model, path)
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
     assert tx.on_triton_device(model)  # (the emulated GPU path: the linear was a quant target)
+
+
+def test_a_kept_full_plan_is_reused_only_for_the_same_quantization_place(ckpts):
+    """A full reload's plan is kept with the model; one made where bf16 weights take their
+    loaders (`quantize_on_device` False: a CPU model) is not reused where they stream."""
+    from fp8_reload.reload.plan import open_checkpoint, plan_reload
+
+    model = fr.load_model(ckpts["bf16", 0])
+    path = ckpts["bf16", 1]
+    _, on_host = plan_reload(model, open_checkpoint(model, path), None, False)
+    _, on_device = plan_reload(model, open_checkpoint(model, path), None, True)
+    assert {t.kind for t in _linear_weights(on_host)} == {"loader"}
+    assert {t.kind for t in _linear_weights(on_device)} == {"quant"}
+    _, again = plan_reload(model, open_checkpoint(model, path), None, True)
+    assert again is on_device  # (kept: the same place)

@@ -187,14 +187,15 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
 def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
                 quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
     """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
-    engine. A full reload's plan depends only on the model and the parsed headers: it is
+    engine. A full reload's plan depends only on the model, the parsed headers and
+    `quantize_on_device`: it is
     kept whole while its modules are unchanged (`TargetCache`) and every header parses to
     the same `TensorInfo`s (a parse with new stamps whose headers did not change too,
     `open_checkpoint`); a filtered one reuses the targets of tensors planned before."""
     done, cache = planned(model, ckpt), target_cache(model)
     kept = cache.full.get(done) if weight_name_filter is None else None
     if (kept is not None and kept[2] == cache.version and cache.unchanged(model)
-            and ckpt.same_headers(kept[3])):
+            and ckpt.same_headers(kept[3]) and kept[4] == quantize_on_device):
         return kept[:2]
     names = plan(model, ckpt, weight_name_filter, expand_units)
     # a linear quantized in the stream lands whole in one of the two device buffers, which grow
@@ -203,7 +204,7 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     targets = plan_targets(model, [ckpt.info(n) for n in names], quantize_on_device, cache,
                            unit_bytes=_chunks.CHUNK_BYTES)
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
-        cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers())
+        cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers(), quantize_on_device)
     return names, targets
 
 
