@@ -188,10 +188,10 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
                 quantize_on_device: bool, expand_units: bool = True) -> tuple[list[str], list[Target]]:
     """`plan`, and where each selected tensor lands (`plan_targets`), for the streaming
     engine. A full reload's plan depends only on the model, the parsed headers and
-    `quantize_on_device`: it is
-    kept whole while its modules are unchanged (`TargetCache`) and every header parses to
-    the same `TensorInfo`s (a parse with new stamps whose headers did not change too,
-    `open_checkpoint`); a filtered one reuses the targets of tensors planned before."""
+    `quantize_on_device`: it is kept whole while its modules are unchanged (`TargetCache`),
+    every header parses to the same `TensorInfo`s (a parse with new stamps whose headers did
+    not change too, `open_checkpoint`) and the flag is the same; a filtered one reuses the
+    targets of tensors planned before."""
     done, cache = planned(model, ckpt), target_cache(model)
     kept = cache.full.get(done) if weight_name_filter is None else None
     if (kept is not None and kept[2] == cache.version and cache.unchanged(model)
