@@ -55,3 +55,12 @@ def test_the_registration_budget_is_read_the_same_way(monkeypatch):
     monkeypatch.setenv("FP8_RELOAD_REGISTER_BUDGET", "4G")
     with pytest.raises(ValueError, match="FP8_RELOAD_REGISTER_BUDGET='4G': expected a whole number"):
         to_device._register_budget()
+
+
+def test_part_bytes_of_zero_is_taken_as_documented():
+    """``FP8_RELOAD_PART_BYTES=0``: a ring slot per chunk, no parts (the knob's documented
+    value; the whole-number check of the sizes once refused it as below 1)."""
+    env = {**os.environ, "FP8_RELOAD_PART_BYTES": "0"}
+    code = "import fp8_reload.reload.chunks as c; print(c.PART_BYTES)"
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "0", done.stderr[-2000:]

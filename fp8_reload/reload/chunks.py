@@ -43,7 +43,7 @@ from .targets import Target
 
 CHUNK_BYTES = env_int("FP8_RELOAD_CHUNK_BYTES", 64 << 20, minimum=1)
 RING_SLOTS = env_int("FP8_RELOAD_RING_SLOTS", 4, minimum=1)
-PART_BYTES = env_int("FP8_RELOAD_PART_BYTES", 16 << 20, minimum=1)
+PART_BYTES = env_int("FP8_RELOAD_PART_BYTES", 16 << 20)  # (0: a slot per chunk)
 READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
 if READ_IO not in ("buffered", "direct"):
     raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")
