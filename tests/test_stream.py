@@ -8,6 +8,8 @@ engine, with every Parameter the same object.
 
 from __future__ import annotations
 
+import struct
+
 import pytest
 import torch
 
@@ -20,6 +22,7 @@ import fp8_reload.reload.transaction as transaction_mod
 from fp8_reload.checkpoint.staging import held
 from fp8_reload.layers import EXPERT_RE
 from fp8_reload.reload.chunks import make_chunks
+from fp8_reload.reload.plan import open_checkpoint, plan_reload
 from fp8_reload.reload.targets import plan_targets
 
 from .conftest import copy_checkpoint, mix_checkpoints, raising_on_call, rewrite_tensor, tokens
@@ -101,6 +104,69 @@ def test_copies_from_a_registered_file_are_cut_where_its_pieces_meet(monkeypatch
     cuts.clear()
     to_device._from_host(dst, src[:70], None, base=0, piece=None)  # pinned ring memory: one copy
     assert cuts == [70]
+
+
+def _data_at(path, residue: int) -> None:
+    """Every shard of `path` rewritten with its data starting at `residue` modulo 16 (the
+    header's JSON padded with spaces, as the format allows)."""
+    for shard in path.glob("*.safetensors"):
+        raw = shard.read_bytes()
+        (n,) = struct.unpack("<Q", raw[:8])
+        header = raw[8:8 + n].rstrip(b" ")
+        header += b" " * ((residue - 8 - len(header)) % 16)
+        shard.write_bytes(struct.pack("<Q", len(header)) + header + raw[8 + n:])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind):
+    """A full reload's chunk of a registered shard is one DMA of its file window. The window
+    used to start on the file's 16 bytes: where a header's length put the data 8 bytes off,
+    every bf16 weight landed 8 bytes off too (through the ring: aligned), the quantization
+    took its element-wise variant and compiled it anew at the second reload (876 ms on the
+    H200). Now a bf16 chunk's window starts where its weights land on 16 bytes; an FP8
+    chunk's keeps the file's alignment."""
+    path = copy_checkpoint(ckpts[kind, 1], tmp_path / "data-at-8")
+    _data_at(path, 8)
+    model = fr.load_model(ckpts[kind, 0])
+    _, targets = plan_reload(model, open_checkpoint(model, path), None, True, model.mode.expand_units)
+    quantized = 0
+    for chunk in make_chunks([t for t in targets if t.kind in ("copy", "quant")]):
+        window, start, end = to_device.registered_window(chunk)
+        assert start is not None and start <= chunk.spans[0][0] < start + 16  # one DMA, nothing lost
+        assert end == chunk.spans[-1][0] + chunk.spans[-1][1]
+        assert [(o, n) for o, n, _ in window.spans] == [(o, n) for o, n, _ in chunk.spans]
+        for t in chunk.targets:
+            assert window.offset_of(t) == t.info.offset - start
+            if t.kind == "quant":
+                quantized += 1
+                assert t.info.offset % 16 == 8 and window.offset_of(t) % 16 == 0
+        if not any(t.kind == "quant" for t in chunk.targets):
+            assert start % 16 == 0
+    assert quantized > 0 if kind == "bf16" else quantized == 0
+
+
+def test_bf16_weights_from_registered_shards_take_the_aligned_quantization(ckpts, tmp_path, monkeypatch):
+    """(CUDA) The above on the device: a bf16 checkpoint whose data starts 8 bytes off 16,
+    reloaded through the ring and then from registered shards, equals a fresh load, and
+    every quantization launch of both was of the aligned variant."""
+    if not torch.cuda.is_available():
+        pytest.skip("registration is a CUDA path")
+    from fp8_reload.kernels.triton import requant
+
+    path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "data-at-8")
+    _data_at(path, 8)
+    aligned, launch = [], requant._launch
+    monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev: (
+        aligned.append(args[-1]), launch(kernel, compiled, sub, grid, args, dev)))
+    model = fr.load_model(ckpts["bf16", 0], device="cuda")
+    expected = fr.snapshot(fr.load_model(path, device="cuda"))
+    for register in ("never", "always"):
+        monkeypatch.setattr(to_device, "REGISTER", register)
+        aligned.clear()
+        fr.update_weights_from_disk(model, path)
+        assert fr.compare_states(expected, fr.snapshot(model)) == []
+        assert aligned and all(a is True for a in aligned), (register, aligned)
+    assert held(model)["registered"].files  # (the second reload's shards were registered)
 
 
 def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts, monkeypatch):

@@ -10,28 +10,25 @@ Two sources:
   and one copy out of each buffer.
 
 Which shards get registered (``FP8_RELOAD_REGISTER``): ``auto`` (default) registers a
-shard the second time a reload reads from it under the same stamps (what EPLB and RL
-weight sync do; registering costs about one read of the file, so a checkpoint read once
-never pays it), within a budget of locked memory (``FP8_RELOAD_REGISTER_BUDGET`` bytes,
-default half the host's memory: files changed or gone, then those used longest ago, are
-dropped to make room, and unregistered under the weights lock, `release_dropped`);
-``always``; ``never``. A reload that reads little of a
-shard (an EPLB step) pays that read for bytes it does not need, so it registers at most
-``FP8_RELOAD_REGISTER_STEP`` bytes of such shards (default 4 GiB, ~0.1 s of a page-cached
-file on an H200 host), or one shard if that one is larger (0: such reloads register
-nothing): a large checkpoint gets registered over several steps, not in one.
+shard the second time a reload reads it under the same stamps (EPLB, RL weight sync:
+registering costs about one read of the file, so a checkpoint read once never pays it),
+within ``FP8_RELOAD_REGISTER_BUDGET`` bytes of locked memory (default half the host's:
+files changed or gone, then those used longest ago, are dropped to make room and
+unregistered under the weights lock, `release_dropped`); ``always``; ``never``. A reload
+that reads little of a shard (an EPLB step) registers at most ``FP8_RELOAD_REGISTER_STEP``
+bytes of such shards (default 4 GiB, ~0.1 s of page-cached file on an H200 host; or one
+shard if larger; 0: none), so a large checkpoint is registered over several steps.
 Registration runs before the weights lock, in pieces (`checkpoint.registered`: the driver
 holds the process's other CUDA calls while it pins one, ~2 ms), so forwards go on in
-between. Under ``FP8_RELOAD_IO=direct`` ``auto`` registers nothing: a registration is
-the file's pages in the page cache, which direct reads keep clear.
+between. Under ``FP8_RELOAD_IO=direct`` ``auto`` registers nothing (direct reads keep the
+page cache clear).
 
 Every chunk lands in one of two device buffers first, on the "h2d" stream, and goes from
 there to its places on the writes stream ("copy"), which waits for the backup of the
 slots it overwrites: FP8 tensors by one copy launch per chunk (`copy_rows`, its table
-kept between reloads), bf16 weights (quantized on load) by the quantization
-into their FP8 places. While one buffer is scattered the next chunk fills the other, so
-the link runs without gaps. Device memory beyond the model is two chunks
-(``FP8_RELOAD_CHUNK_BYTES``, 64 MiB by default: 128 MiB).
+kept between reloads), bf16 weights by their quantization into FP8 places. While one
+buffer is scattered the next chunk fills the other: the link runs without gaps. Device
+memory beyond the model is two chunks (``FP8_RELOAD_CHUNK_BYTES``, 64 MiB each by default).
 """
 
 from __future__ import annotations
@@ -74,10 +71,9 @@ def _register_budget() -> int:
 
 class DeviceSlots:
     """Two device buffers chunks land in by turns: while one chunk's tensors go from its
-    buffer to their places (the writes stream, which waits for their backup), the next
-    chunk's host-to-device copy fills the other (the "h2d" stream): the link waits for
-    the writes of the chunk two back only. Each remembers the event after which it may
-    be filled again."""
+    buffer to their places (the writes stream, after their backup), the next chunk's copy
+    fills the other ("h2d"): the link waits for the writes of the chunk two back only.
+    Each remembers the event after which it may be filled again."""
 
     def __init__(self):
         self.buffers: list[torch.Tensor] = []
@@ -90,7 +86,7 @@ class DeviceSlots:
         if device.type == "cuda" and device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
         if not self.buffers or self.buffers[0].numel() < nbytes or self.buffers[0].device != device:
-            self.buffers = []
+            self.buffers = []  # (the old ones freed first)
             self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=device) for _ in range(2)]
         self.free = [None, None]
 
@@ -182,6 +178,21 @@ def release_dropped(model) -> None:
         shards.release_dropped()
 
 
+def registered_window(chunk: Chunk) -> tuple[Chunk, int | None, int | None]:
+    """How a chunk of a registered file moves: as `(chunk, start, end)`, one DMA of the file's
+    bytes ``[start, end)`` where the gaps are small (a full reload's: scales read before the
+    lock), else `(chunk, None, None)`, its spans alone (a filtered reload's, mostly gaps).
+    The window puts a bf16 chunk's first quantized tensor on 16 bytes of device buffer (all
+    then land aligned, as through the ring; on the file's own alignment, where its header
+    made it 8 mod 16, they sat 8 bytes off: the quantization's element-wise variant,
+    compiled anew at a second reload, 876 ms); other chunks keep the file's alignment."""
+    start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
+    start -= (start - next((t.info.offset for t in chunk.targets if t.kind == "quant"), 0)) % 16
+    if end - start > chunk.extent + chunk.extent // WINDOW_SLACK:
+        return chunk, None, None
+    return Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]), start, end
+
+
 def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: int | None) -> None:
     """`src` (host bytes) into `dst` on `stream`. From a registered file (`piece`: bytes
     per registration; `base`: `src`'s offset in the file) one copy per registration it
@@ -269,9 +280,8 @@ def _to_slot(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, gather
     elif lo < chunk.extent:  # (an aligned chunk's buffer ends on a whole block past its extent)
         end = min(chunk.extent, lo + buf.numel())
         _from_host(dslot[lo:end], buf[:end - lo], h2d, base, piece)
-    # waited on before `buf` is refilled (`ring.stream_through_ring`: by reader threads, or by
-    # this thread before it asks reader processes for the next part there): a blocking event
-    # sleeps; a default one spins a core per waiter, which the readers still copying are short of
+    # waited on before `buf` is refilled (by reader threads, or by this thread before it asks
+    # reader processes for the next part): a blocking event sleeps, a default one spins a core
     landed = torch.cuda.Event(blocking=True)
     landed.record(h2d)
     return landed
@@ -334,15 +344,7 @@ def commit_cuda(model, ckpt, chunks: list[Chunk], writable, check: bool, stats: 
         if chunk.file not in registered:
             rest.append(chunk)
             continue
-        start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
-        start -= start % 16  # the window keeps the file's alignment: tensors copy as words
-        # one DMA of the window where its gaps are small (a full reload's: the scales read
-        # before the lock); a filtered reload's are mostly gaps: the spans alone
-        if end - start <= chunk.extent + chunk.extent // WINDOW_SLACK:
-            direct.append((Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]),
-                           start, end))
-        else:
-            direct.append((chunk, None, None))
+        direct.append(registered_window(chunk))
         windows.append(direct[-1][0].extent)
     slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
     slots.reserve(max(windows + [c.extent for c in rest]), device)
@@ -352,9 +354,8 @@ def commit_cuda(model, ckpt, chunks: list[Chunk], writable, check: bool, stats: 
     try:
         with torch.cuda.stream(stream):
             with trace.range("fp8_reload/dma", payload=sum(c.nbytes for c, _, _ in direct)):
-                # each chunk's copy in is queued before the writes of the one before: the
-                # link has the next chunk to carry while the host queues those writes (and,
-                # at the first, starts the backup they wait for)
+                # each chunk's copy in is queued before the writes of the one before: the link
+                # carries it while the host queues those (at the first: and the backup's start)
                 behind = None
                 for k, (chunk, start, end) in enumerate(direct):
                     reg = registered[chunk.file]
