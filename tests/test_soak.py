@@ -54,11 +54,22 @@ def rss_bytes() -> int:
         return psutil.Process().memory_info().rss
 
 
-def live_tensors() -> int:
+def live_tensors() -> dict[int, torch.Tensor]:
     gc.collect()
     with warnings.catch_warnings():  # isinstance() on torch.distributed's deprecated reduce_op warns
         warnings.simplefilter("ignore", FutureWarning)
-        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+        return {id(o): o for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+
+def _held_by(t: torch.Tensor) -> str:
+    """What keeps `t` alive, for a failure message: its referrers (a dict's keys)."""
+    out = []
+    for r in gc.get_referrers(t):
+        if isinstance(r, dict):
+            out.append("dict[" + ", ".join(repr(k)[:60] for k, v in r.items() if v is t)[:200] + "]")
+        elif not isinstance(r, type(sys._getframe())):
+            out.append(type(r).__name__)
+    return f"{tuple(t.shape)} {t.dtype} {t.device} held by {out[:4]}"
 
 
 def _no_leftovers(model) -> None:
@@ -128,7 +139,8 @@ def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, c
             mem.setdefault("rss_trend_mib", []).append(round(rss_bytes() / 2**20, 1))
             if "rss_warm" not in mem:  # the first check ran everything once: warm
                 mem["rss_warm"] = rss_bytes()
-                mem["tensors_warm"] = live_tensors()
+                warm_ids = set(live_tensors())
+                mem["tensors_warm"] = len(warm_ids)
                 mem["reload_blocks"] = []
                 if device == "cuda":
                     torch.cuda.synchronize()
@@ -137,7 +149,10 @@ def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, c
             mem["blocks_after_check"] = sys.getallocatedblocks()
     total = time.perf_counter() - t_start
     mem["rss_end"] = rss_bytes()
-    mem["tensors_end"] = live_tensors()
+    end = live_tensors()
+    mem["tensors_end"] = len(end)
+    new = [_held_by(t) for i, t in end.items() if i not in warm_ids][:8]
+    del end
     if device == "cuda":
         torch.cuda.synchronize()
         mem["cuda_end"] = torch.cuda.memory_allocated()
@@ -160,7 +175,7 @@ def test_soak_alternating_full_and_filtered_reloads(ckpts, tiny_cfg, tmp_path, c
 
     assert checks >= min(CHECKS, RELOADS // 2)
     assert mem["rss_end"] - mem["rss_warm"] < RSS_ALLOWANCE, figures
-    assert mem["tensors_end"] == mem["tensors_warm"], figures
+    assert mem["tensors_end"] == mem["tensors_warm"], (figures, new)
     # Python-level leaks, counted over the reloads only, once warm (the checks use
     # safetensors' load_file, which keeps 2 blocks per tensor read in 0.8.0: a
     # reader doing that would keep ~450 per full reload of the tiny model).
