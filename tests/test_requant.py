@@ -501,6 +501,9 @@ def test_a_merged_fp8_linear_is_one_launch_with_the_torch_loops_bytes(monkeypatc
     got.quant_method.process_weights_after_loading(got)
     assert launches == ["_requant_w13_kernel"]
     assert got.weight is weight and got.weight.data_ptr() == ptr and got.kernel_layout
+    # what the launch checked stays with the layer, not in the module-wide cache (where a
+    # dropped model's entries stayed, a device tensor each: the CUDA soak's growth)
+    assert requant._LAYERS == {} and len(got.requant_cache) == 1
     for name in ("weight", "weight_scale", "input_scale"):
         assert_bitwise_equal(getattr(want, name).data, getattr(got, name).data.cpu(), name)
     assert torch.equal(got.weight_scale.cpu(), scales.max().expand(2))

@@ -197,8 +197,11 @@ class FixedFp8LinearMethod:
             if (len(widths) == 2 and widths[0] == widths[1] and w.is_contiguous() and s.is_contiguous()
                     and on_triton(w)):
                 # gate | up is one expert's w13: one launch of its requantization (the
-                # torch loop below is a dozen launches and float32 temporaries of a half)
-                process_fp8_experts_(w.view(1, *w.shape), s.view(1, 2), [0], widths[0])
+                # torch loop below is a dozen launches and float32 temporaries of a half);
+                # what it checked is kept with the layer (kept globally, a dropped model's
+                # stayed: the soak on CUDA counted a ticket per linear and model loaded)
+                process_fp8_experts_(w.view(1, *w.shape), s.view(1, 2), [0], widths[0],
+                                     cache=layer.__dict__.setdefault("requant_cache", {}))
             elif s.numel() > 1:
                 m = s.max()
                 start = 0
