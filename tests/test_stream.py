@@ -26,6 +26,7 @@ from fp8_reload.reload.plan import open_checkpoint, plan_reload
 from fp8_reload.reload.targets import plan_targets
 
 from .conftest import copy_checkpoint, mix_checkpoints, raising_on_call, rewrite_tensor, tokens
+from .test_review_s7 import _cpu_tensors_reach_triton, gpu_path  # noqa: F401  (a fixture)
 
 KINDS = ["fp8", "bf16"]
 SPEC = {1: [0, 3], 2: [5, 7]}
@@ -131,7 +132,7 @@ def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind
     _, targets = plan_reload(model, open_checkpoint(model, path), None, True, model.mode.expand_units)
     quantized = 0
     for chunk in make_chunks([t for t in targets if t.kind in ("copy", "quant")]):
-        window, start, end = to_device.registered_window(chunk)
+        window, start, end = chunks_mod.registered_window(chunk)
         assert start is not None and start <= chunk.spans[0][0] < start + 16  # one DMA, nothing lost
         assert end == chunk.spans[-1][0] + chunk.spans[-1][1]
         assert [(o, n) for o, n, _ in window.spans] == [(o, n) for o, n, _ in chunk.spans]
@@ -145,28 +146,40 @@ def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind
     assert quantized > 0 if kind == "bf16" else quantized == 0
 
 
-def test_bf16_weights_from_registered_shards_take_the_aligned_quantization(ckpts, tmp_path, monkeypatch):
-    """(CUDA) The above on the device: a bf16 checkpoint whose data starts 8 bytes off 16,
-    reloaded through the ring and then from registered shards, equals a fresh load, and
-    every quantization launch of both was of the aligned variant."""
-    if not torch.cuda.is_available():
-        pytest.skip("registration is a CUDA path")
+def _aligned_launches(ckpts, tmp_path, monkeypatch, device, how) -> None:
     from fp8_reload.kernels.triton import requant
 
     path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "data-at-8")
     _data_at(path, 8)
+    monkeypatch.setattr(chunks_mod, "READ_IO", "direct" if how == "direct" else "buffered")
     aligned, launch = [], requant._launch
     monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev: (
         aligned.append(args[-1]), launch(kernel, compiled, sub, grid, args, dev)))
-    model = fr.load_model(ckpts["bf16", 0], device="cuda")
-    expected = fr.snapshot(fr.load_model(path, device="cuda"))
-    for register in ("never", "always"):
-        monkeypatch.setattr(to_device, "REGISTER", register)
-        aligned.clear()
-        fr.update_weights_from_disk(model, path)
-        assert fr.compare_states(expected, fr.snapshot(model)) == []
-        assert aligned and all(a is True for a in aligned), (register, aligned)
-    assert held(model)["registered"].files  # (the second reload's shards were registered)
+    model = fr.load_model(ckpts["bf16", 0], device=device)
+    expected = fr.snapshot(fr.load_model(path, device=device))
+    aligned.clear()
+    fr.update_weights_from_disk(model, path)
+    assert fr.compare_states(expected, fr.snapshot(model)) == []
+    assert aligned and all(a is True for a in aligned), (how, aligned)
+
+
+@pytest.mark.parametrize("how", ["ring", "direct", "registered"])
+def test_bf16_weights_8_bytes_past_16_in_their_files_are_quantized_aligned(ckpts, tmp_path, monkeypatch,
+                                                                          how):
+    """(CUDA) A bf16 checkpoint whose data starts 8 bytes past 16 reloaded through the ring,
+    with direct reads (laid on the file's alignment: `Chunk.quant_lead`) and from registered
+    shards equals a fresh load, and every quantization launch is of the aligned variant."""
+    if not torch.cuda.is_available():
+        pytest.skip("a CUDA path (the emulated one below runs on CPU)")
+    monkeypatch.setattr(to_device, "REGISTER", "always" if how == "registered" else "never")
+    _aligned_launches(ckpts, tmp_path, monkeypatch, "cuda", how)
+
+
+@pytest.mark.parametrize("how", ["ring", "direct"])
+def test_bf16_weights_8_bytes_past_16_are_quantized_aligned_on_the_emulated_gpu_path(
+        ckpts, tmp_path, monkeypatch, gpu_path, how):  # noqa: F811
+    _cpu_tensors_reach_triton("bf16")
+    _aligned_launches(ckpts, tmp_path, monkeypatch, "cpu", how)
 
 
 def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts, monkeypatch):

@@ -50,6 +50,7 @@ if READ_IO not in ("buffered", "direct"):
 DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses in whole logical blocks (512 or 4096)
 PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a chunk
 MIN_PIECE_BYTES = 1 << 20
+WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 
 
 def piece_bytes(nbytes: int) -> int:
@@ -99,6 +100,35 @@ class Chunk:
         if raw.storage_offset() % info.dtype.itemsize:
             raw = raw.clone()
         return raw.view(info.dtype).view(tuple(info.shape))
+
+    def moved(self, by: int) -> Chunk:
+        """The chunk in its buffer less the first `by` bytes (each span's place `by` less)."""
+        return Chunk(self.file, self.targets, [(o, n, at - by) for o, n, at in self.spans])
+
+    def quant_lead(self) -> int:
+        """How far past 16 bytes its first quantized (bf16) tensor sits in its buffer, where
+        the buffer holds that many bytes before its first span (else 0). Direct reads lay
+        a chunk on its file's alignment: with a header that puts the data 8 bytes past 16,
+        every bf16 weight was 8 bytes off in device memory, which sends the quantization
+        to its element-wise variant (and a compile of it, ~0.8 s, on its first use)."""
+        first = next((t for t in self.targets if t.kind == "quant"), None)
+        lead = 0 if first is None else self.offset_of(first) % 16
+        return lead if lead <= self.spans[0][2] else 0
+
+
+def registered_window(chunk: Chunk) -> tuple[Chunk, int | None, int | None]:
+    """How a chunk of a registered file moves: as `(chunk, start, end)`, one DMA of the file's
+    bytes ``[start, end)`` where the gaps are small (a full reload's: scales read before the
+    lock), else `(chunk, None, None)`, its spans alone (a filtered reload's, mostly gaps).
+    The window puts a bf16 chunk's first quantized tensor on 16 bytes of device buffer, as
+    the ring does (on the file's alignment, where a header made it 8 mod 16, they sat 8
+    bytes off: `Chunk.quant_lead`; compiled anew at a second reload, 876 ms on the H200);
+    other chunks keep the file's alignment."""
+    start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
+    start -= (start - next((t.info.offset for t in chunk.targets if t.kind == "quant"), 0)) % 16
+    if end - start > chunk.extent + chunk.extent // WINDOW_SLACK:
+        return chunk, None, None
+    return Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]), start, end
 
 
 def unit_of(t: Target):

@@ -48,13 +48,12 @@ from ..knobs import env_int
 from ..layers import FusedMoE
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
-from .chunks import Chunk, invalid_value
+from .chunks import Chunk, invalid_value, registered_window
 from .ring import ring_for, stream_through_ring
 from .targets import Target
 
 REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
 REGISTER_STEP = env_int("FP8_RELOAD_REGISTER_STEP", 4 << 30)
-WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 # A chunk whose copy table is not kept (a filtered reload's) writes at most this many views
 # with a copy each: building a table and sending it to the device cost 0.2-0.3 ms of host
 # time a chunk on the H200, ten copies less (`gpu/host_timeline.py --filtered`).
@@ -176,21 +175,6 @@ def release_dropped(model) -> None:
     shards = held(model).get("registered")
     if shards is not None:
         shards.release_dropped()
-
-
-def registered_window(chunk: Chunk) -> tuple[Chunk, int | None, int | None]:
-    """How a chunk of a registered file moves: as `(chunk, start, end)`, one DMA of the file's
-    bytes ``[start, end)`` where the gaps are small (a full reload's: scales read before the
-    lock), else `(chunk, None, None)`, its spans alone (a filtered reload's, mostly gaps).
-    The window puts a bf16 chunk's first quantized tensor on 16 bytes of device buffer (all
-    then land aligned, as through the ring; on the file's own alignment, where its header
-    made it 8 mod 16, they sat 8 bytes off: the quantization's element-wise variant,
-    compiled anew at a second reload, 876 ms); other chunks keep the file's alignment."""
-    start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
-    start -= (start - next((t.info.offset for t in chunk.targets if t.kind == "quant"), 0)) % 16
-    if end - start > chunk.extent + chunk.extent // WINDOW_SLACK:
-        return chunk, None, None
-    return Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]), start, end
 
 
 def _from_host(dst: torch.Tensor, src: torch.Tensor, stream, base: int, piece: int | None) -> None:
@@ -380,6 +364,8 @@ def commit_cuda(model, ckpt, chunks: list[Chunk], writable, check: bool, stats: 
                 def land(chunk, buf, lo, last):
                     if lo == 0:
                         now[0] = next(turn)
+                        lead = chunk.quant_lead() if last else 0  # (direct reads: see quant_lead)
+                        chunk, buf = (chunk.moved(lead), buf[lead:]) if lead else (chunk, buf)
                     return _land(chunk, buf, now[0], *landing, lo=lo, last=last)
 
                 with trace.range("fp8_reload/ring", payload=sum(c.nbytes for c in rest)):
