@@ -146,40 +146,53 @@ def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind
     assert quantized > 0 if kind == "bf16" else quantized == 0
 
 
-def _aligned_launches(ckpts, tmp_path, monkeypatch, device, how) -> None:
+def _aligned_launches(ckpts, tmp_path, monkeypatch, device, io, spec) -> None:
     from fp8_reload.kernels.triton import requant
 
     path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "data-at-8")
     _data_at(path, 8)
-    monkeypatch.setattr(chunks_mod, "READ_IO", "direct" if how == "direct" else "buffered")
+    monkeypatch.setattr(chunks_mod, "READ_IO", io)
     aligned, launch = [], requant._launch
     monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev: (
         aligned.append(args[-1]), launch(kernel, compiled, sub, grid, args, dev)))
     model = fr.load_model(ckpts["bf16", 0], device=device)
-    expected = fr.snapshot(fr.load_model(path, device=device))
+    expected = _expected(ckpts, "bf16", spec, tmp_path, device)  # (the same tensors as `path`'s)
     aligned.clear()
-    fr.update_weights_from_disk(model, path)
+    fr.update_weights_from_disk(model, path, None if spec is None else fr.generate_weight_name_filter(spec))
     assert fr.compare_states(expected, fr.snapshot(model)) == []
-    assert aligned and all(a is True for a in aligned), (how, aligned)
+    assert aligned and all(a is True for a in aligned), (io, spec, aligned)
 
 
-@pytest.mark.parametrize("how", ["ring", "direct", "registered"])
+WAYS = [("ring", "buffered"), ("direct", "direct"), ("registered", "buffered"), ("registered", "direct")]
+
+
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+@pytest.mark.parametrize("how,io", WAYS, ids=["ring", "direct", "registered", "registered-direct"])
 def test_bf16_weights_8_bytes_past_16_in_their_files_are_quantized_aligned(ckpts, tmp_path, monkeypatch,
-                                                                          how):
+                                                                          how, io, spec):
     """(CUDA) A bf16 checkpoint whose data starts 8 bytes past 16 reloaded through the ring,
     with direct reads (laid on the file's alignment: `Chunk.quant_lead`) and from registered
-    shards equals a fresh load, and every quantization launch is of the aligned variant."""
+    shards (one window, or a filtered reload's spans) equals a fresh load, and every
+    quantization launch is of the aligned variant."""
     if not torch.cuda.is_available():
         pytest.skip("a CUDA path (the emulated one below runs on CPU)")
     monkeypatch.setattr(to_device, "REGISTER", "always" if how == "registered" else "never")
-    _aligned_launches(ckpts, tmp_path, monkeypatch, "cuda", how)
+    _aligned_launches(ckpts, tmp_path, monkeypatch, "cuda", io, spec)
 
 
-@pytest.mark.parametrize("how", ["ring", "direct"])
+@pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
+@pytest.mark.parametrize("how,io", WAYS, ids=["ring", "direct", "registered", "registered-direct"])
 def test_bf16_weights_8_bytes_past_16_are_quantized_aligned_on_the_emulated_gpu_path(
-        ckpts, tmp_path, monkeypatch, gpu_path, how):  # noqa: F811
+        ckpts, tmp_path, monkeypatch, gpu_path, how, io, spec):  # noqa: F811
+    """(The same on CPU: registered shards are a host copy of each file, `test_loader_read`.)"""
     _cpu_tensors_reach_triton("bf16")
-    _aligned_launches(ckpts, tmp_path, monkeypatch, "cpu", how)
+    if how == "registered":
+        from .test_loader_read import _HostCopy
+
+        monkeypatch.setattr(transaction_mod, "registered_files",
+                            lambda model, ckpt, read: {f: _HostCopy(ckpt.path / f) for f in read})
+        monkeypatch.setattr(transaction_mod, "registered_now", lambda model, ckpt, files: set(files))
+    _aligned_launches(ckpts, tmp_path, monkeypatch, "cpu", io, spec)
 
 
 def test_a_filtered_reload_from_registered_shards_moves_only_what_it_reads(ckpts, monkeypatch):

@@ -102,7 +102,8 @@ class Chunk:
         return raw.view(info.dtype).view(tuple(info.shape))
 
     def moved(self, by: int) -> Chunk:
-        """The chunk in its buffer less the first `by` bytes (each span's place `by` less)."""
+        """The chunk in its buffer less the first `by` bytes (each span's place `by` less): a
+        layout in device memory, which no read fills (alignment 1)."""
         return Chunk(self.file, self.targets, [(o, n, at - by) for o, n, at in self.spans])
 
     def quant_lead(self) -> int:
@@ -119,15 +120,16 @@ class Chunk:
 def registered_window(chunk: Chunk) -> tuple[Chunk, int | None, int | None]:
     """How a chunk of a registered file moves: as `(chunk, start, end)`, one DMA of the file's
     bytes ``[start, end)`` where the gaps are small (a full reload's: scales read before the
-    lock), else `(chunk, None, None)`, its spans alone (a filtered reload's, mostly gaps).
-    The window puts a bf16 chunk's first quantized tensor on 16 bytes of device buffer, as
-    the ring does (on the file's alignment, where a header made it 8 mod 16, they sat 8
-    bytes off: `Chunk.quant_lead`; compiled anew at a second reload, 876 ms on the H200);
-    other chunks keep the file's alignment."""
+    lock), else its spans alone, each to its place in the chunk's buffer (a filtered
+    reload's, mostly gaps). Either puts a bf16 chunk's first quantized tensor on 16 bytes of
+    device buffer, as the ring puts a chunk that starts with one (on the file's alignment,
+    where a header made it 8 mod 16, they sat 8 bytes off: `Chunk.quant_lead`; compiled
+    anew at a second reload, 876 ms on the H200); other chunks keep the file's alignment."""
     start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
     start -= (start - next((t.info.offset for t in chunk.targets if t.kind == "quant"), 0)) % 16
     if end - start > chunk.extent + chunk.extent // WINDOW_SLACK:
-        return chunk, None, None
+        lead = chunk.quant_lead()  # (spans laid for direct reads: on the file's alignment)
+        return (chunk.moved(lead) if lead else chunk), None, None
     return Chunk(chunk.file, chunk.targets, [(o, n, o - start) for o, n, _ in chunk.spans]), start, end
 
 
