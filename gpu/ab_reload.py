@@ -7,9 +7,9 @@ alternating from round to round: a model loaded on the GPU, two reloads (the sec
 registers the shards), then per figure the median of a few: repeated full reloads (host
 backup, device backup), first reloads (files touched: parsed, checked, read through the
 ring), filtered reloads (1 expert per MoE layer); and the second reload of each process
-(its shards registered then). The H2D limit (one pinned copy of the
-files' size) is measured in this process. Every reload is checked bit for bit against a
-fresh load once per process.
+(its shards registered then). The H2D limit (one pinned copy of the files' size) is
+measured in this process. Every reload is checked bit for bit against a fresh load once
+per process.
 """
 
 from __future__ import annotations

@@ -146,7 +146,7 @@ def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind
     assert quantized > 0 if kind == "bf16" else quantized == 0
 
 
-def _aligned_launches(ckpts, tmp_path, monkeypatch, device, io, spec) -> None:
+def _aligned_launches(ckpts, tmp_path, monkeypatch, device, io, spec):
     from fp8_reload.kernels.triton import requant
 
     path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "data-at-8")
@@ -161,6 +161,7 @@ def _aligned_launches(ckpts, tmp_path, monkeypatch, device, io, spec) -> None:
     fr.update_weights_from_disk(model, path, None if spec is None else fr.generate_weight_name_filter(spec))
     assert fr.compare_states(expected, fr.snapshot(model)) == []
     assert aligned and all(a is True for a in aligned), (io, spec, aligned)
+    return model
 
 
 WAYS = [("ring", "buffered"), ("direct", "direct"), ("registered", "buffered"), ("registered", "direct")]
@@ -177,7 +178,9 @@ def test_bf16_weights_8_bytes_past_16_in_their_files_are_quantized_aligned(ckpts
     if not torch.cuda.is_available():
         pytest.skip("a CUDA path (the emulated one below runs on CPU)")
     monkeypatch.setattr(to_device, "REGISTER", "always" if how == "registered" else "never")
-    _aligned_launches(ckpts, tmp_path, monkeypatch, "cuda", io, spec)
+    model = _aligned_launches(ckpts, tmp_path, monkeypatch, "cuda", io, spec)
+    shards = held(model).get("registered")
+    assert bool(shards and shards.files) == (how == "registered")
 
 
 @pytest.mark.parametrize("spec", [None, SPEC], ids=["full", "filtered"])
