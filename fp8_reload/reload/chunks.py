@@ -27,6 +27,7 @@ files that refuse O_DIRECT (tmpfs) are read buffered.
 
 from __future__ import annotations
 
+import functools
 import os
 import struct
 from dataclasses import dataclass, field
@@ -106,14 +107,19 @@ class Chunk:
         layout in device memory, which no read fills (alignment 1)."""
         return Chunk(self.file, self.targets, [(o, n, at - by) for o, n, at in self.spans])
 
+    @functools.cached_property
+    def first_quant(self) -> Target | None:
+        """Its first quantized (bf16) target, None without one (found once: a kept plan keeps
+        its chunks, and every reload lands them)."""
+        return next((t for t in self.targets if t.kind == "quant"), None)
+
     def quant_lead(self) -> int:
         """How far past 16 bytes its first quantized (bf16) tensor sits in its buffer, where
         the buffer holds that many bytes before its first span (else 0). Direct reads lay
         a chunk on its file's alignment: with a header that puts the data 8 bytes past 16,
         every bf16 weight was 8 bytes off in device memory, which sends the quantization
         to its element-wise variant (and a compile of it, ~0.8 s, on its first use)."""
-        first = next((t for t in self.targets if t.kind == "quant"), None)
-        lead = 0 if first is None else self.offset_of(first) % 16
+        lead = 0 if self.first_quant is None else self.offset_of(self.first_quant) % 16
         return lead if lead <= self.spans[0][2] else 0
 
 
@@ -126,7 +132,7 @@ def registered_window(chunk: Chunk) -> tuple[Chunk, int | None, int | None]:
     where a header made it 8 mod 16, they sat 8 bytes off: `Chunk.quant_lead`; compiled
     anew at a second reload, 876 ms on the H200); other chunks keep the file's alignment."""
     start, end = chunk.spans[0][0], chunk.spans[-1][0] + chunk.spans[-1][1]
-    start -= (start - next((t.info.offset for t in chunk.targets if t.kind == "quant"), 0)) % 16
+    start -= (start - (0 if chunk.first_quant is None else chunk.first_quant.info.offset)) % 16
     if end - start > chunk.extent + chunk.extent // WINDOW_SLACK:
         lead = chunk.quant_lead()  # (spans laid for direct reads: on the file's alignment)
         return (chunk.moved(lead) if lead else chunk), None, None
