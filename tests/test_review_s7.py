@@ -9,6 +9,8 @@ backup holds when the restore needs it, and that the bytes equal a fresh load.""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 
 import fp8_reload as fr
@@ -18,7 +20,7 @@ import fp8_reload.reload.stream as stream_mod
 import fp8_reload.reload.to_device as to_device
 import fp8_reload.reload.transaction as tx
 
-from .conftest import fake_cuda_streams, mix_checkpoints, unchanged
+from .conftest import fake_cuda_streams, mix_checkpoints, rewrite_tensor, unchanged
 
 
 class _FakeCuda:
@@ -207,3 +209,38 @@ def test_the_ring_queues_the_whole_backup_before_its_first_write(ckpts, gpu_path
                                                               tmp_path / "mixed", flt)
     diffs = fr.compare_states(fr.snapshot(fr.load_model(want)), fr.snapshot(model))
     assert not diffs, diffs[:5]
+
+
+@pytest.mark.parametrize("where", ["emulated", "cuda"])
+@pytest.mark.parametrize("bad", [float("nan"), float("-inf")], ids=["nan", "-inf"])
+@pytest.mark.parametrize("piece", ["gate_proj", "up_proj", "down_proj"])
+@pytest.mark.parametrize("spec", [None, {2: [7]}], ids=["full", "one-expert"])
+def test_a_bad_value_in_a_bf16_expert_is_caught_by_its_quantization(ckpts, request, tmp_path, where, bad,
+                                                                    piece, spec):
+    """A bf16 expert quantized in the stream is checked by the quantization's own amax pass
+    (every row of a chunk, or the one expert of a filtered reload): a NaN or an infinity in
+    any of its three pieces is refused by name and the model is left as it was."""
+    import torch
+
+    from fp8_reload.reload.plan import open_checkpoint, plan_reload
+
+    if where == "cuda":
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA device (the emulated case runs the same path on CPU)")
+        device = "cuda"
+    else:
+        _cpu_tensors_reach_triton("bf16")
+        request.getfixturevalue("gpu_path")
+        device = "cpu"
+    path = tmp_path / "bad"
+    shutil.copytree(ckpts["bf16", 1], path)
+    name = f"model.layers.2.mlp.experts.7.{piece}.weight"
+    rewrite_tensor(path, name, lambda t: t.index_fill(0, torch.tensor([3]), bad))
+    model = fr.load_model(ckpts["bf16", 0], device=device)
+    flt = None if spec is None else fr.generate_weight_name_filter(spec)
+    _, targets = plan_reload(model, open_checkpoint(model, path), flt, True, model.mode.expand_units)
+    assert [t.kind for t in targets if t.info.name == name] == ["quant"]  # (not a loader's check)
+    before = fr.snapshot(model)
+    with pytest.raises(fr.InvalidTensorError, match=name):
+        fr.update_weights_from_disk(model, path, flt)
+    assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
