@@ -133,6 +133,7 @@ def test_a_registered_window_puts_bf16_weights_on_16_bytes(ckpts, tmp_path, kind
     quantized = 0
     for chunk in make_chunks([t for t in targets if t.kind in ("copy", "quant")]):
         window, start, end = chunks_mod.registered_window(chunk)
+        assert chunk.window is chunk.window and chunk.window[1:] == (start, end)  # (worked out once)
         assert start is not None and start <= chunk.spans[0][0] < start + 16  # one DMA, nothing lost
         assert end == chunk.spans[-1][0] + chunk.spans[-1][1]
         assert [(o, n) for o, n, _ in window.spans] == [(o, n) for o, n, _ in chunk.spans]

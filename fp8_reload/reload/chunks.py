@@ -113,6 +113,11 @@ class Chunk:
         its chunks, and every reload lands them)."""
         return next((t for t in self.targets if t.kind == "quant"), None)
 
+    @functools.cached_property
+    def window(self) -> tuple[Chunk, int | None, int | None]:
+        """`registered_window` of it, worked out once (a kept plan keeps its chunks)."""
+        return registered_window(self)
+
     def quant_lead(self) -> int:
         """How far past 16 bytes its first quantized (bf16) tensor sits in its buffer, where
         the buffer holds that many bytes before its first span (else 0). Direct reads lay

@@ -48,7 +48,7 @@ from ..knobs import env_int
 from ..layers import FusedMoE
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
-from .chunks import Chunk, invalid_value, registered_window
+from .chunks import Chunk, invalid_value
 from .ring import ring_for, stream_through_ring
 from .targets import Target
 
@@ -335,7 +335,7 @@ def commit_cuda(model, ckpt, chunks: list[Chunk], writable, check: bool, stats: 
         if chunk.file not in registered:
             rest.append(chunk)
             continue
-        direct.append(registered_window(chunk))
+        direct.append(chunk.window)
         windows.append(direct[-1][0].extent)
     slots: DeviceSlots = holder(model, "device_slots", DeviceSlots)
     slots.reserve(max(windows + [c.extent for c in rest]), device)
