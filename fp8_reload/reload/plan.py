@@ -98,7 +98,8 @@ def check_compatible(model, ckpt: Checkpoint) -> None:
         raise CheckpointMismatchError(f"{ckpt.path}: does not fit the model: " + "; ".join(diffs))
 
 
-def _where(ckpt: Checkpoint, name: str) -> str:
+def tensor_where(ckpt: Checkpoint, name: str) -> str:
+    """Where tensor `name` is, for an error: its file and name."""
     return f"{ckpt.path / ckpt.weight_map[name]}: tensor {name!r}"
 
 
@@ -153,7 +154,7 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     if not done.known:
         unknown = [n for n in done.names if n not in expected]
         if unknown:
-            raise CheckpointMismatchError(f"{_where(ckpt, unknown[0])}: unknown to the model, which "
+            raise CheckpointMismatchError(f"{tensor_where(ckpt, unknown[0])}: unknown to the model, which "
                                           f"has no parameter for it ({len(unknown)} unknown in all)")
         done.known = True
     if weight_name_filter is None:
@@ -211,10 +212,10 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
 def _check_layout(name: str, shape, dtype, expected, ckpt: Checkpoint) -> None:
     want_shape, want_dtype = expected[name]
     if tuple(shape) != tuple(want_shape):
-        raise CheckpointMismatchError(f"{_where(ckpt, name)}: shape {tuple(shape)}, the model "
+        raise CheckpointMismatchError(f"{tensor_where(ckpt, name)}: shape {tuple(shape)}, the model "
                                       f"expects {tuple(want_shape)}")
     if dtype != want_dtype:
-        raise CheckpointMismatchError(f"{_where(ckpt, name)}: dtype {dtype}, the model expects "
+        raise CheckpointMismatchError(f"{tensor_where(ckpt, name)}: dtype {dtype}, the model expects "
                                       f"{want_dtype}")
 
 
@@ -250,7 +251,7 @@ def stage(model, ckpt: Checkpoint, names: list[str], weight_name_filter, scan_al
                 staged.append((name, tensor))
                 check.add(name, tensor)
     _validate(staged, expected, ckpt)
-    check.raise_if_invalid(lambda name: _where(ckpt, name))
+    check.raise_if_invalid(lambda name: tensor_where(ckpt, name))
     return staged
 
 
