@@ -52,10 +52,13 @@ def test_a_read_into_an_arena_keeps_at_most_its_threads_reading(ckpts, monkeypat
     lock, now, most = threading.Lock(), [0], [0]
     real = reader_mod._read_tensor
 
+    pieces: dict = {}
+
     def counting(*a, **k):
         with lock:
             now[0] += 1
             most[0] = max(most[0], now[0])
+            pieces.setdefault(a[2].name, []).append(a[4] if len(a) > 4 else None)  # the arena: (lo, hi)
         try:
             return real(*a, **k)
         finally:
@@ -66,9 +69,16 @@ def test_a_read_into_an_arena_keeps_at_most_its_threads_reading(ckpts, monkeypat
     ckpt = fr.Checkpoint(ckpts["bf16", 1])
     names = _loader_names(ckpts["bf16", 1])
     want = dict(ckpt.read(names))
+    most[0] = 0  # (the plain read above: one at a time)
+    pieces.clear()
+    monkeypatch.setattr(reader_mod, "PIECE_BYTES", 4096)  # tensors in several pieces
     got = dict(ckpt.read(names, into=PinnedArena(pin=False), threads=threads))
     assert all(torch.equal(got[n].view(torch.uint8), want[n].view(torch.uint8)) for n in names)
     assert 1 <= most[0] <= threads
+    if threads > 1:  # every tensor read in pieces that tile it
+        for n in names:
+            size = ckpt.info(n).nbytes
+            assert sorted(pieces[n]) == [(lo, min(size, lo + 4096)) for lo in range(0, size, 4096)]
 
 
 def test_loader_read_raises_a_bad_value_on_the_callers_thread(ckpts, tmp_path):
@@ -247,11 +257,11 @@ def _interrupted_reload_leaves_no_read(tmp_path, tiny_cfg, monkeypatch, register
     a, b, c = (fr.write_checkpoint(tmp_path / f"bf16-{s}", tiny_cfg, seed=s, kind="bf16") for s in range(3))
     real, late = reader_mod._read_tensor, []
 
-    def slow(handle, fpath, info, out=None):
+    def slow(handle, fpath, info, out=None, piece=None):
         if str(fpath).startswith(str(b)):
             time.sleep(0.05)
             late.append(time.monotonic())
-        return real(handle, fpath, info, out=out)
+        return real(handle, fpath, info, out=out, piece=piece)
 
     monkeypatch.setattr(reader_mod, "_read_tensor", slow)
     model = fr.load_model(a)

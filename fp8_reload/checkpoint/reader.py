@@ -37,14 +37,17 @@ from .header import (
     parse_json,
 )
 from .layout import INDEX_FILE, SINGLE_FILE
-from .staging import READ_THREADS, aligned, reader_pool
+from .staging import PIECE_BYTES, READ_THREADS, aligned, reader_pool
 
 
-def _read_tensor(handle, fpath: Path, info: TensorInfo,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    """The bytes of one tensor, viewed with its dtype and shape."""
-    buf = read_span(handle, fpath, info.offset, info.nbytes, out, what=f"tensor {info.name!r}")
-    return buf.view(info.dtype).reshape(info.shape)
+def _read_tensor(handle, fpath: Path, info: TensorInfo, out: torch.Tensor | None = None,
+                 piece: tuple[int, int] | None = None) -> torch.Tensor:
+    """The bytes of one tensor, viewed with its dtype and shape; of a `piece` ``(lo, hi)`` of
+    it (a tensor read by several threads), bytes ``[lo, hi)`` into ``out[lo:hi]``, raw."""
+    lo, hi = piece or (0, info.nbytes)
+    buf = read_span(handle, fpath, info.offset + lo, hi - lo, out if piece is None else out[lo:hi],
+                    what=f"tensor {info.name!r}")
+    return buf if piece else buf.view(info.dtype).reshape(info.shape)
 
 
 class Checkpoint:
@@ -284,14 +287,12 @@ class Checkpoint:
         """Yield (name, CPU tensor) for `names`, opening only the shards that hold them,
         in file and offset order. `stats` (if given) accumulates bytes_read and files_opened.
 
-        Each tensor's bytes are read at the offsets the validated header gives (no
-        mmap: a file changed or truncated later cannot fault a commit, and nothing is
-        retained per read; safetensors' own `get_tensor` keeps ~60 bytes per call,
-        measured with 0.8.0). By default into fresh host memory, one tensor at a time;
-        with `into` (a `staging.PinnedArena`) all of them are read up front into that
-        reused (pinned) buffer by `staging.READ_THREADS` threads (at most `threads` reads at
-        a time), so that each later host-to-device copy is a single DMA.
-        """
+        Bytes are read at the offsets the validated header gives (no mmap: a file changed
+        or truncated later cannot fault a commit; nothing is kept per read, where
+        safetensors 0.8.0's `get_tensor` kept ~60 bytes a call). By default into fresh host
+        memory, a tensor at a time; with `into` (a `staging.PinnedArena`) into that reused
+        (pinned) buffer, in `PIECE_BYTES` pieces by `READ_THREADS` threads (at most `threads`
+        reads at a time): each later host-to-device copy is a single DMA."""
         infos = [self.info(name) for name in names]
         infos.sort(key=lambda i: (i.file, i.offset))
         stats = stats if stats is not None else {}
@@ -348,16 +349,22 @@ class Checkpoint:
                 handles[f] = self._open_shard(f, stamps)
                 stats["files_opened"] += 1
         total = sum(i.nbytes for i in infos)
+        # tensors in pieces, each a read: whole, a bf16 checkpoint's 45 MB linears were read
+        # at one thread's speed (8 tensors, 124 MB: ~10 ms of a first reload on the H200 host)
+        pieces = [(k, lo, min(i.nbytes, lo + PIECE_BYTES)) for k, i in enumerate(infos)
+                  for lo in range(0, max(1, i.nbytes), PIECE_BYTES)]
+        ends = [p for p in range(1, len(pieces) + 1) if p == len(pieces) or pieces[p][0] != pieces[p - 1][0]]
 
-        def work(k):
+        def work(p):
+            k, lo, hi = pieces[p]
             info = infos[k]
-            return _read_tensor(handles[info.file], self.path / info.file, info, out=slots[k])
+            return _read_tensor(handles[info.file], self.path / info.file, info, slots[k], (lo, hi))
 
         with trace.range("fp8_reload/tensor_read", payload=total):
-            window = len(infos) if threads is None else threads
-            if len(infos) <= 1 or READ_THREADS <= 1 or window <= 1:
+            window = len(pieces) if threads is None else threads
+            if len(pieces) <= 1 or READ_THREADS <= 1 or window <= 1:
                 for k, info in enumerate(infos):
-                    tensor = work(k)
+                    tensor = _read_tensor(handles[info.file], self.path / info.file, info, out=slots[k])
                     stats["bytes_read"] += info.nbytes
                     yield info.name, tensor
                 for f, h in handles.items():
@@ -367,12 +374,13 @@ class Checkpoint:
             try:
                 pool = reader_pool()
                 for k, info in enumerate(infos):
-                    # (one by one: a failed submit leaves the others waited for)
-                    while len(futures) < min(len(infos), k + window):
-                        futures.append(pool.submit(work, len(futures)))
-                    tensor = futures[k].result()
+                    for p in range(ends[k - 1] if k else 0, ends[k]):
+                        # (one by one: a failed submit leaves the others waited for)
+                        while len(futures) < min(len(pieces), p + window):
+                            futures.append(pool.submit(work, len(futures)))
+                        futures[p].result()
                     stats["bytes_read"] += info.nbytes
-                    yield info.name, tensor
+                    yield info.name, slots[k].view(info.dtype).reshape(info.shape)
             finally:  # an error, or the consumer stopped: no read outlives the handles
                 for future in futures:
                     future.cancel()

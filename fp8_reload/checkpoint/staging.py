@@ -28,6 +28,7 @@ ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can vi
 # 43-56 ms with 16 threads)
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
 READ_THREADS = env_int("FP8_RELOAD_READ_THREADS", min(16, max(2, _CORES - 1)), minimum=1)
+PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a tensor
 
 
 _pool: tuple[int, ThreadPoolExecutor] | None = None  # (pid that started it, pool)

@@ -36,7 +36,7 @@ import torch
 
 from ..checkpoint.files import open_shard, read_span
 from ..checkpoint.reader import Checkpoint
-from ..checkpoint.staging import READ_THREADS
+from ..checkpoint.staging import PIECE_BYTES, READ_THREADS
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
 from ..knobs import env_int
@@ -49,7 +49,6 @@ READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
 if READ_IO not in ("buffered", "direct"):
     raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")
 DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses in whole logical blocks (512 or 4096)
-PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a chunk
 MIN_PIECE_BYTES = 1 << 20
 WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes
 
