@@ -195,8 +195,7 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
     """The bf16 weights of `chunk`, now in device memory `src`, into their FP8 places: its
     experts into their slots (two launches per layer shape, each expert a row of addresses),
     its linears by their `quantize_shards_`; with `checks`, their values' flags are
-    appended ((targets, flags)): the experts' from the quantization's own amax pass (one
-    read of the bytes, no table to build per chunk), the linears' from a check launch."""
+    appended ((targets, flags))."""
     from ..kernels.triton.requant import quantize_experts_  # needs triton: imported on use
 
     by_unit: dict = {}
@@ -204,13 +203,12 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
         if t.kind == "quant":
             by_unit.setdefault((t.module_name, tuple(t.slots)), {})[t.shard] = t
     rows_of: dict = {}
-    pieces_of: dict = {}  # the targets of each row's gate, up and down, by layer shape
-    linears = []
+    checked = []
     for shards in by_unit.values():
         views = {s: chunk.source(src, t) for s, t in shards.items()}
+        checked += [(t, views[s]) for s, t in shards.items()]
         layer = next(iter(shards.values())).module
         if not isinstance(layer, FusedMoE):  # a linear's shards (torch ops, on this stream)
-            linears += [(t, views[s]) for s, t in shards.items()]
             layer.quant_method.quantize_shards_(layer, views)
             continue
         w13, w2 = layer.w13_weight.data, layer.w2_weight.data
@@ -220,21 +218,16 @@ def _quantize_chunk(chunk: Chunk, src: torch.Tensor, checks: list | None) -> Non
                 or not fp8_expert_layout(w13, s13, w2, s2) or w13[0].numel() != 2 * numel):
             raise ValueError(f"quantize-on-load: {next(iter(shards.values())).module_name}: pieces or "
                              "weights of another size, dtype or layout")
-        shape = (numel, s13.numel() // s13.shape[0])
-        rows, pieces = rows_of.setdefault(shape, []), pieces_of.setdefault(shape, [])
+        rows = rows_of.setdefault((numel, s13.numel() // s13.shape[0]), [])
         src3 = (views["w1"].data_ptr(), views["w3"].data_ptr(), views["w2"].data_ptr())
         row = expert_rows(w13, s13, w2, s2)
         for slot in next(iter(shards.values())).slots:  # (what was staged for it is superseded)
             rows.append(row(slot, src3))
-            pieces += (shards["w1"], shards["w3"], shards["w2"])
             layer.staged.pop(slot, None)
-    # checked now: the slot is reused by the next chunk
-    if checks is not None and linears:
-        checks.append(([t for t, _ in linears], nonfinite_flags([v for _, v in linears])))
-    for shape, rows in rows_of.items():
-        flags = quantize_experts_(src.device, *shape, rows, flags=checks is not None)
-        if checks is not None:
-            checks.append((pieces_of[shape], flags))
+    if checks is not None:  # checked now, one launch a chunk: the slot is reused by the next one
+        checks.append(([t for t, _ in checked], nonfinite_flags([v for _, v in checked])))
+    for (numel, cols), rows in rows_of.items():
+        quantize_experts_(src.device, numel, cols, rows)
 
 
 def _land(chunk: Chunk, buf: torch.Tensor, k: int, slots: DeviceSlots, tables: RowTables, keep: bool,

@@ -13,8 +13,7 @@ cached per layer (`_layer`):
 * `quantize_experts_` (bf16 checkpoints quantized on load), TWO launches: the amax of each
   expert's gate + up and of its down, per block, then ``x / scale`` rounded to e4m3 into
   the FP8 slots, ``scale = amax * (1 / 448)`` reduced from the blocks' maxima. One expert
-  passes its addresses as arguments; more go through one small host-to-device table. The
-  amax pass also flags NaN and infinities: a first reload's value check of the pieces.
+  passes its addresses as arguments; more go through one small host-to-device table.
 
 Bit for bit what the torch path (`processing.ops`) computes: the same float32 operations
 in the same order, IEEE-rounded division (`tl.math.div_rn`: on the H200 with Triton 3.6,
@@ -145,22 +144,16 @@ ADDRESSES = [f"a{i}" for i in range(7)]
 def _expert_amax_kernel(table_ptr, a0, a1, a2, a3, a4, a5, a6, partial_ptr, NUMEL: tl.constexpr,
                         ONE: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr, ALIGNED: tl.constexpr):
     """Program (i, j, p): the amax of blocks p*ITERS.. of piece j (gate, up, down) of
-    expert i, into its own slot of `partial` ([2, k, 3, P]): no zeroed buffer, no atomics.
-    The second half flags the blocks that hold a NaN or an infinity (1.0): the value check
-    of a first reload, made while the bytes are read anyway (`quantize_experts_`)."""
+    expert i, into its own slot of `partial` ([k, 3, P]): no zeroed buffer, no atomics."""
     j = tl.program_id(1)
     src = _pointer(_row_address(table_ptr, a0, a1, a2, a3, a4, a5, a6, j, ONE), tl.bfloat16, ALIGNED)
     amax = tl.zeros([BLOCK], tl.float32)
-    bad = tl.zeros([BLOCK], tl.int32)
     for it in range(ITERS):
         offs = (tl.program_id(2) * ITERS + it).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ax = tl.abs(tl.load(src + offs, mask=offs < NUMEL, other=0.0).to(tl.float32))
-        amax = tl.maximum(amax, ax)
-        bad = bad | ((ax != ax) | (ax == float("inf"))).to(tl.int32)  # NaN, +-inf
+        x = tl.load(src + offs, mask=offs < NUMEL, other=0.0).to(tl.float32)
+        amax = tl.maximum(amax, tl.abs(x))
     slot = (tl.program_id(0) * 3 + j) * tl.num_programs(2) + tl.program_id(2)
     tl.store(partial_ptr + slot, tl.max(amax, axis=0))
-    flags = partial_ptr + tl.num_programs(0) * 3 * tl.num_programs(2)
-    tl.store(flags + slot, tl.max(bad, axis=0).to(tl.float32))
 
 
 @triton.jit(do_not_specialize=ADDRESSES)
@@ -312,12 +305,9 @@ _BF16_AMAX: dict = {}
 _BF16_QUANT: dict = {}
 
 
-def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...]],
-                      flags: bool = False) -> torch.Tensor | None:
+def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...]]) -> None:
     """Quantize bf16 experts into FP8 slots in place, one dynamic scale for each expert's
-    gate + up and one for its down (what a fresh load computes), in two launches. With
-    `flags`: returns ``[3 * k]`` flags on the device (row by row: gate, up, down; nonzero
-    where a source holds a NaN or an infinity), nothing read back.
+    gate + up and one for its down (what a fresh load computes), in two launches.
 
     Each row holds addresses: ``(src_gate, src_up, src_down, dst_w13, dst_w2, scale13,
     scale2)``; the sources are `numel` contiguous bf16 elements each, ``dst_w13`` the
@@ -327,13 +317,13 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     """
     k = len(rows)
     if k == 0:
-        return torch.zeros(0, device=device) if flags else None
+        return
     one = k == 1
     args = rows[0] if one else (0,) * 7
     table = None if one else device_ints([a for row in rows for a in row], device)
     iters = _iters(k)
     p_all = cdiv(numel, BLOCK * iters)
-    partial = torch.empty(2 * k * 3 * p_all, dtype=torch.float32, device=device)  # maxima, flags
+    partial = torch.empty(k * 3 * p_all, dtype=torch.float32, device=device)
     table = partial if one else table  # (unused when one)
     grid = (k, 3, p_all)
     # weights and staged pieces start on 16 bytes (allocations); a piece read in place from a
@@ -356,7 +346,6 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
                   EXACT, aligned)
     _launch(_expert_amax_kernel, _BF16_AMAX, sub, grid, amax_args, dev)
     _launch(_expert_quant_kernel, _BF16_QUANT, sub, grid, quant_args, dev)
-    return partial[k * 3 * p_all:].view(k * 3, p_all).amax(dim=1) if flags else None
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]
