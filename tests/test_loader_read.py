@@ -387,3 +387,27 @@ def test_a_first_gpu_reload_checks_its_loaders_tensors_on_the_gpu(ckpts, tmp_pat
     fr.update_weights_from_disk(model, ckpts["bf16", 1])
     fresh = fr.load_model(ckpts["bf16", 1], device="cuda")
     assert fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
+
+
+def test_a_piece_cut_short_says_which_bytes_of_the_tensor(ckpts, tmp_path, monkeypatch):
+    """Review (helper 44): a tensor read in pieces reported a short read in the piece's own
+    counts ("got 36 of 64 bytes") with nothing to place them in the tensor."""
+    import os
+
+    import fp8_reload.checkpoint.reader as reader_mod
+    from fp8_reload.checkpoint import PinnedArena
+
+    path = copy_checkpoint(ckpts["bf16", 1], tmp_path / "c")
+    ckpt = fr.Checkpoint(path)
+    info = ckpt.info(LINEAR)
+    real = reader_mod._read_tensor
+
+    def cut_then_read(*a, **k):  # the file loses its end while the pieces are read
+        os.truncate(path / info.file, info.offset + 5000)
+        return real(*a, **k)
+
+    monkeypatch.setattr(reader_mod, "PIECE_BYTES", 4096)
+    monkeypatch.setattr(reader_mod, "_read_tensor", cut_then_read)
+    second = rf"{LINEAR}' \(its bytes 4096 to 8192\).*got 904 of 4096"  # (the first piece is whole)
+    with pytest.raises(fr.CorruptCheckpointError, match=second):
+        list(ckpt.read([LINEAR], into=PinnedArena(pin=False), threads=None))

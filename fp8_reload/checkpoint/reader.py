@@ -46,7 +46,7 @@ def _read_tensor(handle, fpath: Path, info: TensorInfo, out: torch.Tensor | None
     it (a tensor read by several threads), bytes ``[lo, hi)`` into ``out[lo:hi]``, raw."""
     lo, hi = piece or (0, info.nbytes)
     buf = read_span(handle, fpath, info.offset + lo, hi - lo, out if piece is None else out[lo:hi],
-                    what=f"tensor {info.name!r}")
+                    what=f"tensor {info.name!r}" + (f" (its bytes {lo} to {hi})" if piece else ""))
     return buf if piece else buf.view(info.dtype).reshape(info.shape)
 
 
