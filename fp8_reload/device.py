@@ -6,6 +6,7 @@ staging memory or hands weights to other threads waits here first.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 
@@ -77,6 +78,20 @@ def synchronize(target: nn.Module | torch.Tensor | torch.device | str | None = N
         target = target.device
     if target is not None and torch.device(target).type == "cuda":
         torch.cuda.synchronize(target)
+
+
+def current_cuda(device) -> contextlib.AbstractContextManager:
+    """A block in which `device` (a CUDA device, or a tensor on one) is the current CUDA
+    device; nothing to do (one integer compare) when it already is, or for a CPU one.
+    Triton launches its kernels on the current device, not its tensors': a model on
+    cuda:1 called while cuda:0 is current would otherwise run them where its memory
+    is not (an illegal address that poisons the whole CUDA context)."""
+    if isinstance(device, torch.Tensor):
+        device = device.device
+    if device is None or device.type != "cuda" or device.index is None \
+            or device.index == torch._C._cuda_getDevice():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
 
 
 _SIDE_STREAMS: dict = {}

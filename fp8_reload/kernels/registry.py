@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from .. import trace
+from ..device import current_cuda
 from ..errors import BackendUnavailable
 
 DEFAULT_BACKEND = "torch"
@@ -129,5 +130,5 @@ def get_backend(name: str | None = None) -> Callable:
 def run_moe(layer, x, topk_weights, topk_ids, backend: str | None = None):
     """The routed experts of `layer` for `x` through `backend`."""
     fn = get_backend(backend)
-    with trace.range("fp8_reload/moe", payload=x.shape[0]):
+    with trace.range("fp8_reload/moe", payload=x.shape[0]), current_cuda(x):
         return fn(layer, x, topk_weights, topk_ids)

@@ -42,7 +42,7 @@ import torch
 
 from .. import trace
 from ..checkpoint import Checkpoint, staging
-from ..device import model_device, on_cuda, resolve_device, side_stream, synchronize
+from ..device import current_cuda, model_device, on_cuda, resolve_device, side_stream, synchronize
 from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
@@ -208,14 +208,14 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     report = ReloadReport(mode=mode.name, full=weight_name_filter is None)
     timer = _Timer(report.seconds)
     t0 = time.perf_counter()
-    with _exclusive(model, path):
+    device = model_device(model) or torch.device("cpu")  # looked up once: a walk of the model
+    with _exclusive(model, path), current_cuda(device):
         undefined = getattr(model, "weights_undefined", None)
         if undefined and weight_name_filter is not None:
             raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
                                 "(weight_name_filter=None) can repair the model")
         stats: dict = {}
         streaming = ENGINE == "stream" and not scan_all
-        device = model_device(model) or torch.device("cpu")  # looked up once: a walk of the model
         cuda = device.type == "cuda"
         saved, progress, held = None, _Progress(), ExitStack()  # (`held`: the weights lock)
 
@@ -365,26 +365,28 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
     timer = _Timer(report.seconds)
     t0 = time.perf_counter()
     stats: dict = {}
-    with nothing_written(ckpt.path):
-        with timer.phase("plan"):
-            names = plan(model, ckpt, None, False)
-        with timer.phase("read"):
-            staged = stage(model, ckpt, names, None, False, stats)
-    report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
-    try:
-        with timer.phase("load"), torch.no_grad():
-            model.load_weights(staged)
-        with timer.phase("process"), torch.no_grad():
-            report.modules_processed = process_modules(list(model.quantized_modules()))
-        synchronize(model)
-        if ENGINE == "stream" and not mode.scan_all:
-            # the first reload finds the parse and where every tensor lands (views of the
-            # Parameters: a property of the model) already worked out
+    # Triton kernels (value checks, processing) run on the model's device, not the current one
+    with current_cuda(model_device(model)):
+        with nothing_written(ckpt.path):
             with timer.phase("plan"):
-                remember_checkpoint(model, ckpt)
-                plan_reload(model, ckpt, None, on_triton_device(model), mode.expand_units)
-    except Exception as e:
-        raise ReloadError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
+                names = plan(model, ckpt, None, False)
+            with timer.phase("read"):
+                staged = stage(model, ckpt, names, None, False, stats)
+        report.staged_bytes = sum(t.numel() * t.element_size() for _, t in staged)
+        try:
+            with timer.phase("load"), torch.no_grad():
+                model.load_weights(staged)
+            with timer.phase("process"), torch.no_grad():
+                report.modules_processed = process_modules(list(model.quantized_modules()))
+            synchronize(model)
+            if ENGINE == "stream" and not mode.scan_all:
+                # the first reload finds the parse and where every tensor lands (views of the
+                # Parameters: a property of the model) already worked out
+                with timer.phase("plan"):
+                    remember_checkpoint(model, ckpt)
+                    plan_reload(model, ckpt, None, on_triton_device(model), mode.expand_units)
+        except Exception as e:
+            raise ReloadError(f"loading {ckpt.path} failed: {type(e).__name__}: {e}") from e
     report.tensors_loaded = len(staged)
     report.bytes_read = stats["bytes_read"]
     report.files_opened = stats["files_opened"]

@@ -1,0 +1,74 @@
+"""A model on a CUDA device that is not the current one.
+
+Triton launches its kernels on the current CUDA device, not on its tensors' (and a
+pinned registration belongs to the context current when it is made): a model on
+cuda:1 loaded, reloaded or run while cuda:0 is current must still work on cuda:1
+(`device.current_cuda` around each of those). Needs two GPUs: the 2xH200 host runs it
+(`pytest tests/test_second_gpu.py`); a one-GPU or CPU machine has no second device.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fp8_reload as fr
+from fp8_reload.device import current_cuda
+
+from .conftest import tokens
+
+TWO = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                         reason="needs two CUDA GPUs (the 2xH200 run covers this case)")
+KINDS = ["fp8", "bf16"]
+
+
+@TWO
+@pytest.mark.parametrize("kind", KINDS)
+def test_reloads_and_forwards_on_the_second_gpu(ckpts, tiny_cfg, kind):
+    """Full reloads (first, registering, registered), a filtered one and Triton forwards of
+    a model on cuda:1 with cuda:0 current: each equals a fresh load on cuda:1 bit for bit,
+    every Parameter kept, and its forward equals the same model's on cuda:0."""
+    torch.cuda.set_device(0)
+    model = fr.load_model(ckpts[kind, 0], device="cuda:1")
+    assert torch.cuda.current_device() == 0  # the load left the current device alone
+    fresh = {seed: fr.snapshot(fr.load_model(ckpts[kind, seed], device="cuda:1")) for seed in (0, 1)}
+    assert fr.compare_states(fresh[0], fr.snapshot(model)) == []
+    params = {name: p for name, p in model.named_parameters()}
+    for round_, seed in enumerate([1, 0, 1, 0]):  # new stamps, then the shards registered
+        fr.update_weights_from_disk(model, ckpts[kind, seed])
+        torch.cuda.synchronize(1)
+        assert torch.cuda.current_device() == 0
+        assert fr.compare_states(fresh[seed], fr.snapshot(model)) == [], (kind, round_)
+        assert all(p is params[name] for name, p in model.named_parameters())
+    spec = {layer: [1] for layer in tiny_cfg.moe_layers}
+    fr.update_weights_from_disk(model, ckpts[kind, 1], fr.generate_weight_name_filter(spec))
+    changed = fr.compare_states(fresh[0], fr.snapshot(model))
+    assert changed and all(".experts." in line for line in changed), changed
+
+    on0 = fr.load_model(ckpts[kind, 0], device="cuda:0")
+    fr.update_weights_from_disk(on0, ckpts[kind, 1], fr.generate_weight_name_filter(spec))
+    assert fr.compare_states(fr.snapshot(on0), fr.snapshot(model)) == []
+    x = tokens(tiny_cfg, n=64)
+    for m in (model, on0):
+        m.set_backend("triton")
+    y1 = model(x.to("cuda:1"))
+    y0 = on0(x.to("cuda:0"))
+    assert y1.device == torch.device("cuda:1") and torch.cuda.current_device() == 0
+    assert torch.equal(y1.cpu(), y0.cpu())
+
+
+@TWO
+def test_current_cuda_switches_only_when_needed():
+    torch.cuda.set_device(0)
+    with current_cuda(torch.device("cuda:1")):
+        assert torch.cuda.current_device() == 1
+    assert torch.cuda.current_device() == 0
+    with current_cuda(torch.empty(1, device="cuda:0")):
+        assert torch.cuda.current_device() == 0
+
+
+def test_current_cuda_leaves_cpu_and_unindexed_devices_alone():
+    """(CPU as well) nothing to switch for a CPU tensor, a CPU device, None or bare "cuda"."""
+    for where in (torch.empty(1), torch.device("cpu"), None, torch.device("cuda")):
+        with current_cuda(where) as entered:
+            assert entered is None
