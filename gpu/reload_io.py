@@ -168,7 +168,7 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     s, _ = timed(lambda: io_paths.page_cache_read(files, limit.src))
     row("COLD disk -> pinned, 16 threads preadv (limit)", s, file_bytes)
     limit.src = None  # (the O_DIRECT read puts each file on a block boundary: a little more)
-    aligned = io_paths.pinned(io_paths.direct_bytes(files))
+    aligned = io_paths.pinned(io_paths.direct_bytes(files), io_paths.DIRECT_ALIGN)
     io_paths.evict(files)
     s, _ = timed(lambda: io_paths.page_cache_read(files, aligned, direct=True))
     row("COLD disk -> pinned, 16 threads preadv O_DIRECT (limit)", s, file_bytes)

@@ -89,11 +89,25 @@ def common_setup_cache(suite):
     return suite[0].CheckpointSuite.setup_cache
 
 
+# The reload's module-level switches a benchmark may flip to time one path: the grouped
+# run measures every benchmark in one process (as the `ran` fixture does), so each must
+# put them back; on the H200 an engine left at "staged" made every later streaming test
+# run the staged engine (156 failures in one pytest process).
+RELOAD_SWITCHES = [("fp8_reload.reload.transaction", "ENGINE"), ("fp8_reload.reload.chunks", "READ_IO"),
+                   ("fp8_reload.reload.to_device", "REGISTER")]
+SWITCHED: list = []  # (benchmark, {switch: (before, after)}) the `ran` fixture saw
+
+
+def _switches() -> dict:
+    return {f"{m}.{a}": getattr(importlib.import_module(m), a) for m, a in RELOAD_SWITCHES}
+
+
 @pytest.fixture(scope="module")
 def ran(suite, cache):
     """{(Class.method, params): value | 'skip: reason'} for the whole suite."""
     _, mods = suite
     results = {}
+    switches = _switches()
     caches = {}  # one per setup_cache function, as asv keys them
     for _, cls, method in discover(mods):
         needs_cache = hasattr(cls, "setup_cache")
@@ -120,7 +134,14 @@ def ran(suite, cache):
             results[key] = getattr(bench, method)(*args)
             if hasattr(bench, "teardown"):
                 bench.teardown(*args)
+            if (now := _switches()) != switches:
+                SWITCHED.append((key, {k: (v, now[k]) for k, v in switches.items() if now[k] != v}))
+                switches = now
     return results
+
+
+def test_no_benchmark_leaves_a_reload_switch_flipped(ran):
+    assert SWITCHED == []
 
 
 def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):

@@ -101,11 +101,13 @@ def device_targets(path, names, device) -> dict[str, torch.Tensor]:
     return {n: torch.empty(ckpt.info(n).shape, dtype=ckpt.info(n).dtype, device=device) for n in names}
 
 
-def pinned(nbytes: int) -> torch.Tensor:
-    """A pinned host buffer with its pages touched (not timed later)."""
-    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+def pinned(nbytes: int, align: int = 1) -> torch.Tensor:
+    """A pinned host buffer with its pages touched (not timed later), starting at a
+    multiple of `align` bytes (torch's pinned allocator hands out small blocks at 512)."""
+    buf = torch.empty(nbytes + align - 1, dtype=torch.uint8, pin_memory=True)
     buf.fill_(1)
-    return buf
+    skip = -buf.data_ptr() % align
+    return buf[skip:skip + nbytes]
 
 
 class PinnedCopy:
