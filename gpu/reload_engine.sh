@@ -3,7 +3,7 @@
 # parts that each fit one device call (10 minutes):
 #   PART=checks  the CUDA tests (streaming, reload, reliability with the soak, kernels,
 #                state), the device-memory peak of full reloads, the processing probe, the
-#                forward probe (eager, host time, graph)                           ~4 min
+#                forward probe (eager, host time, graph)                           ~7 min
 #   PART=io      the I/O table beside the limits and the field's loaders (v2-lite:4 fp8 then
 #                bf16, one process each; WHOLE=1 adds the whole v2-lite), then the first
 #                reload under ring shapes (.scratch-free: gpu/first_ring.py)       ~5 min
@@ -16,7 +16,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"
 if [ "$PART" != io ]; then
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests \
+  timeout 420 python3 -m pytest -q -p no:cacheprovider tests \
     -k "cuda or CUDA or gpu or device or stream or requant or review or concurrency or state or soak" \
     > "$OUT/pytest_cuda.log" 2>&1; echo "pytest exit $?"; tail -8 "$OUT/pytest_cuda.log"; grep -h "^soak" "$OUT/pytest_cuda.log"
   timeout 60 python3 gpu/peak_check.py 2>&1 | tee "$OUT/peak_check.txt"
