@@ -1,9 +1,9 @@
 """A model on a CUDA device that is not the current one.
 
-Triton launches its kernels on the current CUDA device, not on its tensors' (and a
-pinned registration belongs to the context current when it is made): a model on
+Triton launches its kernels on the current CUDA device, not on its tensors': a model on
 cuda:1 loaded, reloaded or run while cuda:0 is current must still work on cuda:1
-(`device.current_cuda` around each of those). Needs two GPUs: the 2xH200 host runs it
+(`device.current_cuda` around each of those; registered and pinned host memory is
+portable under unified addressing, so only the launches need it). Needs two GPUs: the 2xH200 host runs it
 (`pytest tests/test_second_gpu.py`); a one-GPU or CPU machine has no second device.
 """
 
