@@ -23,7 +23,7 @@ limits are skipped where they do not apply (filtered). CUDA only: on CPU every c
 
 from __future__ import annotations
 
-import contextlib
+from unittest.mock import patch
 
 import fp8_reload as fr
 
@@ -78,7 +78,7 @@ class IOPaths(CheckpointSuite):
             fresh = key not in _MODELS
             if fresh:
                 _MODELS.clear()
-                with _switched(transaction, "ENGINE", engine):
+                with patch.object(transaction, "ENGINE", engine):
                     _MODELS[key] = fr.load_model(self.path, device="cuda")
             self.model = model = _MODELS[key]
             how = "direct" if io.endswith("direct") else "buffered"
@@ -108,24 +108,14 @@ class IOPaths(CheckpointSuite):
         self.run()
 
 
-@contextlib.contextmanager
-def _switched(module, name: str, value):
-    """`module.name` set to `value` for the block only: the grouped run (and the test suite)
-    measure every benchmark in one process, and an engine left switched would time the
-    wrong one in every later benchmark."""
-    before = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, before)
-
-
 def _reload(model, path, flt, how: str, engine: str):
+    """A reload with its read way and engine switched for this call only: the grouped run
+    (and the test suite) measure every benchmark in one process, and a switch left flipped
+    would time the wrong path in every later one."""
     import fp8_reload.reload.chunks as chunks
     import fp8_reload.reload.transaction as transaction
 
-    with _switched(chunks, "READ_IO", how), _switched(transaction, "ENGINE", engine):
+    with patch.object(chunks, "READ_IO", how), patch.object(transaction, "ENGINE", engine):
         return fr.update_weights_from_disk(model, path, flt)
 
 

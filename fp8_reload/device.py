@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import threading
 
 import torch
 from torch import nn
@@ -88,10 +89,30 @@ def current_cuda(device) -> contextlib.AbstractContextManager:
     is not (an illegal address that poisons the whole CUDA context)."""
     if isinstance(device, torch.Tensor):
         device = device.device
+    elif isinstance(device, str):
+        device = torch.device(device)
     if device is None or device.type != "cuda" or device.index is None \
-            or device.index == torch._C._cuda_getDevice():
+            or not torch.cuda.is_available() or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
+
+
+_THREAD = threading.local()
+
+
+def use_in_this_thread(device) -> None:
+    """Make `device` (a CUDA device, or an event or tensor on one) current in this worker
+    thread, once per thread. A new thread's current device is cuda:0: its first CUDA call
+    (a reader waiting on a copy's event) would otherwise create a context on cuda:0 (some
+    hundreds of MiB there) in a process whose model lives on another GPU."""
+    if not isinstance(device, (str, torch.device)):
+        device = getattr(device, "device", None)  # (an event not recorded yet: None)
+    if device is None or torch.device(device).type != "cuda":
+        return
+    index = torch.device(device).index
+    if index is not None and getattr(_THREAD, "device", None) != index:
+        torch.cuda.set_device(index)
+        _THREAD.device = index
 
 
 _SIDE_STREAMS: dict = {}

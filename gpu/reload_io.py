@@ -23,6 +23,7 @@ import statistics
 import time
 import traceback
 from pathlib import Path
+from unittest.mock import patch
 
 import torch
 
@@ -103,22 +104,18 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
     s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
     row("fp8-reload filtered, 1 expert per MoE layer", s, rep.bytes_read, phases=phases(rep))
     held(model)["registered"].release()  # the first two EPLB steps: through the readers' ring
-    policy, to_device.REGISTER = to_device.REGISTER, "never"
-    try:
+    with patch.object(to_device, "REGISTER", "never"):
         s, rep = timed(lambda: fr.update_weights_from_disk(model, path, flt), repeat=20)
-    finally:
-        to_device.REGISTER = policy
     row("  the same through the ring (shards not registered yet)", s, rep.bytes_read,
         phases=phases(rep))
 
     if quick:  # fp8-reload's rows and the limits only
         return _same_as_fresh(model, path, label, limit)
     if not whole:  # the engine before, after the streaming rows (what it leaves must not touch them)
-        transaction.ENGINE = "staged"
-        fr.update_weights_from_disk(model, path)
-        s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=3)
+        with patch.object(transaction, "ENGINE", "staged"):  # (put back whatever happens)
+            fr.update_weights_from_disk(model, path)
+            s, rep = timed(lambda: fr.update_weights_from_disk(model, path), repeat=3)
         row("fp8-reload, staged engine (before), full", s, rep.bytes_read, phases=phases(rep))
-        transaction.ENGINE = "stream"
 
     # the field's loaders after fp8-reload's rows: threads a library leaves behind must not
     # slow the rows measured after it (fp8-reload's host work is Python)
@@ -151,9 +148,8 @@ def run_checkpoint(path, label, rows, whole=False, quick=False):
             held(model)["registered"].release()
         io_paths.touch(files)
         io_paths.evict(files)
-        chunks.READ_IO = how
-        s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
-        chunks.READ_IO = "buffered"
+        with patch.object(chunks, "READ_IO", how):
+            s, rep = timed(lambda: fr.update_weights_from_disk(model, path))
         row(f"COLD fp8-reload streaming, {'buffered reads + readahead' if how == 'buffered' else 'O_DIRECT'}",
             s, rep.bytes_read, phases=phases(rep), direct_bytes=rep.bytes_direct)
     if io_paths.available("instanttensor"):

@@ -19,6 +19,7 @@ import math
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -89,17 +90,23 @@ def common_setup_cache(suite):
     return suite[0].CheckpointSuite.setup_cache
 
 
-# The reload's module-level switches a benchmark may flip to time one path: the grouped
-# run measures every benchmark in one process (as the `ran` fixture does), so each must
-# put them back; on the H200 an engine left at "staged" made every later streaming test
-# run the staged engine (156 failures in one pytest process).
-RELOAD_SWITCHES = [("fp8_reload.reload.transaction", "ENGINE"), ("fp8_reload.reload.chunks", "READ_IO"),
-                   ("fp8_reload.reload.to_device", "REGISTER")]
+# The package's switches (upper-case module globals of plain values, FP8_RELOAD_*
+# environment variables) a benchmark may flip to time one path: the grouped run measures
+# every benchmark in one process (as the `ran` fixture does), so each must put them back;
+# on the H200 an engine left at "staged" made every later streaming test run the staged
+# engine (156 failures in one pytest process). Not switches: state the library keeps.
+LIBRARY_STATE = {"fp8_reload.kernels.triton.requant.PREPARED"}  # off after a refused fast launch
 SWITCHED: list = []  # (benchmark, {switch: (before, after)}) the `ran` fixture saw
 
 
 def _switches() -> dict:
-    return {f"{m}.{a}": getattr(importlib.import_module(m), a) for m, a in RELOAD_SWITCHES}
+    found = {k: v for k, v in os.environ.items() if k.startswith("FP8_RELOAD_")}
+    for name, module in list(sys.modules.items()):
+        if name.startswith("fp8_reload.") and module is not None:
+            found.update((f"{name}.{attr}", v) for attr, v in vars(module).items()
+                         if attr.isupper() and isinstance(v, (str, int, float, bool, type(None)))
+                         and f"{name}.{attr}" not in LIBRARY_STATE)
+    return found
 
 
 @pytest.fixture(scope="module")
@@ -127,21 +134,43 @@ def ran(suite, cache):
             grouped = cls.__module__.endswith(".grouped")  # same names: keyed apart
             key = (f"{cls.__name__}.{method}" + ("@grouped" if grouped else ""), combo)
             try:
-                bench.setup(*args)
-            except NotImplementedError as e:
-                results[key] = f"skip: {e}"
-                continue
-            results[key] = getattr(bench, method)(*args)
-            if hasattr(bench, "teardown"):
-                bench.teardown(*args)
-            if (now := _switches()) != switches:
-                SWITCHED.append((key, {k: (v, now[k]) for k, v in switches.items() if now[k] != v}))
+                try:
+                    bench.setup(*args)
+                except NotImplementedError as e:
+                    results[key] = f"skip: {e}"
+                    continue
+                results[key] = getattr(bench, method)(*args)
+                if hasattr(bench, "teardown"):
+                    bench.teardown(*args)
+            finally:  # (a skip or a failure must put them back as well)
+                now = _switches()
+                if flipped := {k: (v, now[k]) for k, v in switches.items() if k in now and now[k] != v}:
+                    SWITCHED.append((key, flipped))
                 switches = now
     return results
 
 
 def test_no_benchmark_leaves_a_reload_switch_flipped(ran):
     assert SWITCHED == []
+
+
+def test_the_io_benchmark_puts_its_switches_back_when_a_reload_fails(monkeypatch):
+    """(CPU) The I/O benchmark's reloads skip here (`IOPaths` needs CUDA), so the test above
+    sees its switches only on a GPU: its reload, failing, must still put them back."""
+    import benchmarks.io as io_bench
+    import fp8_reload.reload.chunks as chunks
+    import fp8_reload.reload.transaction as transaction
+
+    before, seen = (transaction.ENGINE, chunks.READ_IO), []
+
+    def failing(model, path, flt):
+        seen.append((transaction.ENGINE, chunks.READ_IO))
+        raise OSError("the disk went away")
+
+    monkeypatch.setattr(io_bench.fr, "update_weights_from_disk", failing)
+    with pytest.raises(OSError):
+        io_bench._reload(None, "ckpt", None, "direct", "staged")
+    assert seen == [("staged", "direct")] and (transaction.ENGINE, chunks.READ_IO) == before
 
 
 def test_every_benchmark_runs_or_skips_for_a_stated_reason(ran):

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fp8_reload as fr
-from fp8_reload.device import current_cuda
+from fp8_reload.device import current_cuda, use_in_this_thread
 
 from .conftest import tokens
 
@@ -68,7 +68,49 @@ def test_current_cuda_switches_only_when_needed():
 
 
 def test_current_cuda_leaves_cpu_and_unindexed_devices_alone():
-    """(CPU as well) nothing to switch for a CPU tensor, a CPU device, None or bare "cuda"."""
-    for where in (torch.empty(1), torch.device("cpu"), None, torch.device("cuda")):
+    """(CPU as well) nothing to switch for a CPU tensor or device (also as a string), None
+    or bare "cuda"."""
+    for where in (torch.empty(1), torch.device("cpu"), "cpu", "meta", None, torch.device("cuda"), "cuda"):
         with current_cuda(where) as entered:
             assert entered is None
+
+
+def test_a_worker_thread_takes_no_device_for_what_is_not_on_one():
+    """(CPU as well) an event not recorded yet (no device), a stand-in without one, a CPU
+    device: nothing to make current."""
+    for what in (None, object(), "cpu", torch.device("cpu"), torch.empty(1)):
+        use_in_this_thread(what)
+
+
+# Run in a process of its own: the test session has made cuda:0's context long before.
+_ONLY_CUDA1 = """
+import ctypes, sys, torch
+import fp8_reload as fr
+import fp8_reload.reload.to_device as to_device
+torch.cuda.set_device(1)
+to_device.REGISTER = "never"  # every reload through the readers' ring (they wait on events)
+model = fr.load_model(sys.argv[1], device="cuda:1")
+for path in sys.argv[2:] * 2:
+    fr.update_weights_from_disk(model, path)
+torch.cuda.synchronize(1)
+cuda = ctypes.CDLL("libcuda.so.1")
+flags, active = ctypes.c_uint(), ctypes.c_int()
+assert cuda.cuDevicePrimaryCtxGetState(0, ctypes.byref(flags), ctypes.byref(active)) == 0
+print("cuda:0 context active:", active.value)
+"""
+
+
+@TWO
+def test_a_model_on_cuda1_makes_no_context_on_cuda0(ckpts, tmp_path):
+    """Reloads of a model on cuda:1 in a process that never used cuda:0: the ring's reader
+    threads wait on copy events, and a thread's first CUDA call would make a context on its
+    current device, cuda:0, unless it takes the model's (`use_in_this_thread`)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "only_cuda1.py"
+    script.write_text(_ONLY_CUDA1)
+    out = subprocess.run([sys.executable, str(script), str(ckpts["fp8", 0]), str(ckpts["fp8", 1]),
+                          str(ckpts["fp8", 0])], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "cuda:0 context active: 0" in out.stdout, out.stdout

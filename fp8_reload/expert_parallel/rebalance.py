@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from ..device import synchronize
+from ..device import current_cuda, synchronize
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel, FusedMoE
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
@@ -137,7 +137,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     timer = _Timer(report.seconds, device, phase_times)
     t_start = t = time.perf_counter()
 
-    with model.reload_lock:
+    with model.reload_lock, current_cuda(device):  # (Triton copies launch on the current device)
         if problem is None and getattr(model, "ep_rank", rank) != rank:
             problem = f"this rank holds rank {model.ep_rank}'s share"
         new, mode, excluded = agree(old, new, mode, exclude_sources, group, comm, problem)

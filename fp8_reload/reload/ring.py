@@ -29,6 +29,7 @@ from ..checkpoint import read_procs
 from ..checkpoint.files import read_failure, read_into, reopen_direct
 from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import held, reader_pool
+from ..device import use_in_this_thread
 from . import chunks as ch
 
 
@@ -221,6 +222,7 @@ def _through_threads(ckpt, chunks, parts, ring, land, stats, reading, handles, _
         slot = q % slots
         event = ring.events[slot]
         if event is not None:
+            use_in_this_thread(event)
             event.synchronize()  # what was landed from this slot has been copied out
             ring.events[slot] = None  # (the part's other readers need not ask again)
         read_into(handles[key], paths[chunks[parts[q][0]].file], off, ring.views[slot][at:at + n],
