@@ -82,8 +82,9 @@ def synchronize(target: nn.Module | torch.Tensor | torch.device | str | None = N
 
 
 def current_cuda(device) -> contextlib.AbstractContextManager:
-    """A block in which `device` (a CUDA device, or a tensor on one) is the current CUDA
-    device; nothing to do (one integer compare) when it already is, or for a CPU one.
+    """A block in which `device` (a CUDA device or its name, or a tensor on one) is the
+    current CUDA device; nothing to do (a look at the current one, under a microsecond)
+    when it already is, or for a CPU one.
     Triton launches its kernels on the current device, not its tensors': a model on
     cuda:1 called while cuda:0 is current would otherwise run them where its memory
     is not (an illegal address that poisons the whole CUDA context)."""
