@@ -32,9 +32,21 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
+from .interrupts import sigint_deferred
+
+# How often a wait for the lock looks whether a Ctrl-C came meanwhile (it is held back
+# while the lock's own counts change; see `WeightsLock`).
+_POLL_S = 0.05
+
 
 class WeightsLock:
-    """Reader/writer lock with writer preference and per-thread re-entry."""
+    """Reader/writer lock with writer preference and per-thread re-entry.
+
+    Its counts change with Ctrl-C held back (`sigint_deferred`): a KeyboardInterrupt
+    can land at any Python call, and one landing between a count taken and the `try`
+    that gives it back (or inside the condition's own `__exit__`) would leave every
+    later reload, or every forward, waiting forever. A Ctrl-C during a wait for the
+    lock ends the wait (within `_POLL_S`) with nothing taken, then is raised."""
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
@@ -47,25 +59,76 @@ class WeightsLock:
     def _read_depth(self) -> int:
         return getattr(self._local, "depth", 0)
 
+    def _wait_for(self, free, stop: list) -> bool:
+        """Under the condition: wait until `free()`, or a Ctrl-C held back (`stop`)."""
+        while not free():
+            if stop:
+                return False
+            self._cond.wait(_POLL_S)
+        return True
+
+    def _take(self, taking, held: list) -> None:
+        """`taking(stop)` under the condition with Ctrl-C held back; `held` gets a token
+        once it took the lock, inside the hold (a Ctrl-C raised as the hold ends finds it
+        there), and the release clears it (giving back twice gives back once)."""
+        stop: list = []
+        with sigint_deferred(then=lambda: stop.append(True)), self._cond:
+            if taking(stop):
+                held.append(True)
+
+    def _give_back(self, held: list, release) -> None:
+        """`release()` under the condition with Ctrl-C held back, if `held` still holds its
+        token. The caller calls it again when a Ctrl-C cut it short (any Python call can
+        take one as it starts, before the hold is in place): the second call gives back
+        what the first did not, or nothing."""
+        with sigint_deferred(), self._cond:
+            if held:
+                held.clear()
+                release()
+                self._cond.notify_all()
+
+    def _take_read(self, stop: list) -> bool:
+        if not self._wait_for(lambda: self._writer is None and not self._writers_waiting, stop):
+            return False
+        self._readers += 1
+        return True
+
+    def _take_write(self, stop: list) -> bool:
+        self._writers_waiting += 1
+        try:
+            if not self._wait_for(lambda: self._writer is None and not self._readers, stop):
+                return False
+        finally:
+            self._writers_waiting -= 1
+            self._cond.notify_all()  # (forwards held back by this waiting writer)
+        self._writer = threading.get_ident()
+        self._write_depth = 1
+        return True
+
+    def _release_read(self) -> None:
+        self._readers -= 1
+
+    def _release_write(self) -> None:
+        self._writer = None
+        self._write_depth = 0
+
     @contextmanager
     def read(self):
         depth = self._read_depth()
-        counted = depth == 0 and self._writer != threading.get_ident()
-        if counted:
-            with self._cond:
-                while self._writer is not None or self._writers_waiting:
-                    self._cond.wait()
-                self._readers += 1
-        self._local.depth = depth + 1
-        try:
+        held: list = []
+        try:  # (entered before the count is taken: a Ctrl-C after it still gives it back)
+            if depth == 0 and self._writer != threading.get_ident():
+                self._take(self._take_read, held)
+            self._local.depth = depth + 1
             yield
         finally:
             self._local.depth = depth
-            if counted:
-                with self._cond:
-                    self._readers -= 1
-                    if self._readers == 0:
-                        self._cond.notify_all()
+            if held:
+                try:
+                    self._give_back(held, self._release_read)
+                except BaseException:  # (see _give_back)
+                    self._give_back(held, self._release_read)
+                    raise
 
     @contextmanager
     def write(self):
@@ -80,22 +143,17 @@ class WeightsLock:
         if self._read_depth():
             raise RuntimeError("cannot write the weights from inside a forward of the same "
                                "model (it would wait for itself)")
-        with self._cond:
-            self._writers_waiting += 1
-            try:
-                while self._writer is not None or self._readers:
-                    self._cond.wait()
-            finally:
-                self._writers_waiting -= 1
-            self._writer = me
-            self._write_depth = 1
+        held: list = []
         try:
+            self._take(self._take_write, held)
             yield
         finally:
-            with self._cond:
-                self._writer = None
-                self._write_depth = 0
-                self._cond.notify_all()
+            if held:
+                try:
+                    self._give_back(held, self._release_write)
+                except BaseException:  # (see _give_back)
+                    self._give_back(held, self._release_write)
+                    raise
 
     @property
     def held_for_reading(self) -> bool:

@@ -15,9 +15,9 @@ import pytest
 PACKAGE = Path(__file__).resolve().parents[1] / "fp8_reload"
 
 # Top-level units from the bottom of the tree up: a unit may import only units below it.
-ORDER = ["version", "errors", "knobs", "config", "quant", "trace", "locks", "device", "kernels", "layers",
-         "checkpoint", "state", "processing", "reload", "expert_parallel", "sglang_patch",
-         "testing", "tools", "__init__", "__main__"]
+ORDER = ["version", "errors", "knobs", "config", "quant", "trace", "interrupts", "locks", "device",
+         "kernels", "layers", "checkpoint", "state", "processing", "reload", "expert_parallel",
+         "sglang_patch", "testing", "tools", "__init__", "__main__"]
 MAX_LINES = 400
 
 

@@ -293,7 +293,7 @@ def test_ctrl_c_as_the_loaders_thread_starts(tmp_path, tiny_cfg, gpu_path, regis
 def test_ctrl_c_before_a_deferral_is_in_place(tmp_path, tiny_cfg, gpu_path, registered, monkeypatch):  # noqa: F811
     """Review (helper 37): a Ctrl-C landing as `sigint_deferred` is entered, before its
     handler is in place."""
-    import fp8_reload.reload.interrupts as interrupts
+    import fp8_reload.interrupts as interrupts
 
     signal.signal(signal.SIGINT, signal.default_int_handler)
     real_get, fired = signal.getsignal, []

@@ -21,13 +21,13 @@ from torch import nn
 from ..checkpoint import staging
 from ..device import copy_async, on_cuda, synchronize
 from ..errors import RollbackError
+from ..interrupts import sigint_deferred
 from ..knobs import env_int
 from ..layers import FusedMoE
 from ..processing import reload_memory_bound
 from ..quant import index_copy_
 from .backup_plan import Pending, kept_plan, piece_of
 from .filters import modules_by_name
-from .interrupts import sigint_deferred
 
 _STATE_ATTRS = ("kernel_layout", "needs_processing", "weights_version")
 # How far the backup's queued copies run ahead of what the commit has asked for (bytes):

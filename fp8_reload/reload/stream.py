@@ -31,11 +31,11 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import aligned
 from ..checkpoint.values import ValueCheck, invalid_tensor_error
 from ..device import model_device, side_stream
+from ..interrupts import sigint_deferred
 from ..processing.ops import on_triton
 from ..quant import has_bad_values
 from . import chunks as _chunks
 from .chunks import Chunk, advise_will_need, make_chunks, read_scalars
-from .interrupts import sigint_deferred
 from .plan import tensor_where
 from .ring import ring_for, stream_through_ring
 from .targets import Target, mark_loaded
