@@ -317,6 +317,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                     if streaming and checkpoint_stamp(ckpt) != stamp:
                         raise CorruptCheckpointError(f"{ckpt.path}: its files changed while they were "
                                                      "read; the reload is rolled back")
+                # committed: the model says so before anything else runs (dict stores call no
+                # Python code, so no Ctrl-C lands between them and the commit; one landing later
+                # propagates with the new weights in place, and the model naming them)
+                model.__dict__["weights_undefined"] = None
+                model.__dict__["checkpoint_path"] = ckpt.path
             except BaseException as fault:
                 report.backup_bytes, report.backup_device_bytes = saved.nbytes, saved.device_bytes
                 with timer.phase("restore"):
@@ -331,7 +336,6 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
                 raise err from fault
             finally:
                 clear_kernel_caches(model)
-    model.weights_undefined = None
     report.tensors_loaded = len(names) if streaming else len(staged)
     report.bytes_read = stats.get("bytes_read", 0)
     report.files_opened = stats.get("files_opened", 0)
@@ -342,7 +346,6 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
         memo["experts"] = experts_by_layer(names if streaming else (n for n, _ in staged))
     report.experts_reloaded = {layer: list(ids) for layer, ids in memo["experts"].items()}
     report.seconds["total"] = time.perf_counter() - t0
-    model.checkpoint_path = ckpt.path
     return report
 
 
