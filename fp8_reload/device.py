@@ -92,8 +92,9 @@ def current_cuda(device) -> contextlib.AbstractContextManager:
         device = device.device
     elif isinstance(device, str):
         device = torch.device(device)
-    if device is None or device.type != "cuda" or device.index is None \
-            or not torch.cuda.is_available() or device.index == torch.cuda.current_device():
+    # (a tensor's or a model's device is a torch.device: a stand-in (tests) is left alone)
+    if not isinstance(device, torch.device) or device.type != "cuda" or device.index is None \
+            or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)
 
@@ -108,10 +109,11 @@ def use_in_this_thread(device) -> None:
     hundreds of MiB there) in a process whose model lives on another GPU."""
     if not isinstance(device, (str, torch.device)):
         device = getattr(device, "device", None)  # (an event not recorded yet: None)
-    if device is None or torch.device(device).type != "cuda":
+    if device is None:
         return
-    index = torch.device(device).index
-    if index is not None and getattr(_THREAD, "device", None) != index:
+    device = torch.device(device)
+    index = device.index
+    if device.type == "cuda" and index is not None and getattr(_THREAD, "device", None) != index:
         torch.cuda.set_device(index)
         _THREAD.device = index
 
