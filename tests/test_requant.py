@@ -228,10 +228,10 @@ def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
         monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
     real_launch = requant._launch  # the compiled kernels' own launches too
 
-    def launch(kernel, compiled, sub, grid, args, dev):
+    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
         if sub in compiled:
             launches.append(f"{kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} (compiled)")
-        real_launch(kernel, compiled, sub, grid, args, dev)
+        real_launch(kernel, compiled, sub, grid, args, dev, fast)
 
     monkeypatch.setattr(requant, "_launch", launch)
     monkeypatch.setattr(ops, "on_triton", lambda t: True)
@@ -393,11 +393,11 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
     entries = []  # kept alive: no id reused
     real = requant._launch
 
-    def launch(kernel, compiled, sub, grid, args, dev):
+    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
         binder = binders[getattr(kernel, "fn", kernel).__name__]
         entries.append(compiled)
         seen.setdefault((id(compiled), sub), set()).add(tuple((t, str(v)) for t, v in binder(*args)[1]))
-        real(kernel, compiled, sub, grid, args, dev)
+        real(kernel, compiled, sub, grid, args, dev, fast)
 
     monkeypatch.setattr(requant, "_launch", launch)
     for e in (16, 64):
@@ -422,6 +422,39 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
         for slots in ([0], [1], [e - 1], [0, 1], [2, 0, 3]):
             ops.quantize_staged_by_address_(w13, s13, w2, s2, staged, slots)
     assert seen and all(len(v) == 1 for v in seen.values()), [k for k, v in seen.items() if len(v) > 1]
+
+
+def test_each_fast_launch_passes_the_addresses_of_the_tensors_triton_would_get(monkeypatch):
+    """A compiled launch is given the tensors' addresses as integers (`fast`): for every
+    launch, of every kind and scope, they are exactly `args` with each tensor replaced by
+    its `data_ptr()`, the other arguments unchanged and in place."""
+    calls = []
+    real = requant._launch
+
+    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
+        calls.append((args, fast))
+        real(kernel, compiled, sub, grid, args, dev, fast)
+
+    monkeypatch.setattr(requant, "_launch", launch)
+    for e in (4, 16):
+        q, s = (t.to(DEVICE) for t in fp8_w13(e, 16, 32, seed=e))
+        scales = tuple((torch.rand(e, device=DEVICE), torch.rand(e, device=DEVICE)) for _ in range(2))
+        cache: dict = {}
+        for experts in ([0], [e - 1], [1, 2], [3, 0], [2, 2]):
+            for merge in (None, scales):
+                requant.requantize_w13_(q, s, experts, merge, cache)
+    w13 = torch.zeros(4, 32, 32, dtype=FP8_DTYPE, device=DEVICE)
+    w2 = torch.zeros(4, 32, 16, dtype=FP8_DTYPE, device=DEVICE)
+    s13, s2 = torch.ones(4, 2, device=DEVICE), torch.ones(4, device=DEVICE)
+    staged = {k: {n: t.to(DEVICE) for n, t in p.items()}
+              for k, p in bf16_experts(range(4), 16, 32, 3).items()}
+    for slots in ([1], [0, 2, 3]):
+        ops.quantize_staged_by_address_(w13, s13, w2, s2, staged, slots)
+    assert len(calls) == 2 * 2 * 5 + 2 * 2
+    for args, fast in calls:
+        want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+        assert len(fast) == len(args) and fast == want, (args, fast)
+        assert all(type(f) is int for a, f in zip(args, fast) if isinstance(a, torch.Tensor))
 
 
 _PTX = """

@@ -154,8 +154,8 @@ def _aligned_launches(ckpts, tmp_path, monkeypatch, device, io, spec):
     _data_at(path, 8)
     monkeypatch.setattr(chunks_mod, "READ_IO", io)
     aligned, launch = [], requant._launch
-    monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev: (
-        aligned.append(args[-1]), launch(kernel, compiled, sub, grid, args, dev)))
+    monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev, fast=(): (
+        aligned.append(args[-1]), launch(kernel, compiled, sub, grid, args, dev, fast)))
     model = fr.load_model(ckpts["bf16", 0], device=device)
     expected = _expected(ckpts, "bf16", spec, tmp_path, device)  # (the same tensors as `path`'s)
     aligned.clear()

@@ -215,7 +215,12 @@ def _fp8_layer(w13, w13_scale, input_scales):
     for t in () if input_scales is None else (t for pair in input_scales for t in pair):
         if t.shape != (e_all,) or t.dtype != torch.float32 or not t.is_contiguous() or t.device != w13.device:
             raise ValueError("requantize_w13_ needs contiguous float32 input scales [E] on w13's device")
-    return torch.zeros(1, dtype=torch.int32, device=w13.device), rows // 2 * hidden, e_all, {}
+    ticket = torch.zeros(1, dtype=torch.int32, device=w13.device)
+    scales = (w13_scale,) * 4 if input_scales is None else (t for pair in input_scales for t in pair)
+    # the launch's pointers as integers (the key holds every address): Triton's launcher takes
+    # an integer as it is, where a tensor costs a `data_ptr` call and a driver query each
+    ptrs = (w13.data_ptr(), w13_scale.data_ptr(), ticket.data_ptr(), *(t.data_ptr() for t in scales))
+    return ticket, rows // 2 * hidden, e_all, {}, ptrs, next_pow2(e_all)
 
 
 # Launch a kernel through what Triton compiled for it (`compiled`, by the constexprs and
@@ -228,13 +233,14 @@ def _fp8_layer(w13, w13_scale, input_scales):
 # addresses as integers that are not specialized, so its sub-key holds the rest (the
 # device, the constexprs, the integers' width). What Triton reads again on each launch of
 # its own (its debug and instrumentation knobs, pre-run hooks) is read at the first launch
-# of a sub-key only. FP8_RELOAD_FAST_LAUNCH=0: always through Triton (for an A/B); so too
-# after a compiled kernel's `run` refused its arguments once (another Triton's private
-# signature).
+# of a sub-key only. `fast`: the same arguments with tensors given as their addresses (what
+# the compiled launch passes on, without asking each tensor and the driver again).
+# FP8_RELOAD_FAST_LAUNCH=0: always through Triton (for an A/B); so too after a compiled
+# kernel's `run` refused its arguments once (another Triton's private signature).
 PREPARED = os.environ.get("FP8_RELOAD_FAST_LAUNCH", "1") != "0"
 
 
-def _launch(kernel, compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int) -> None:
+def _launch(kernel, compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: int, fast: tuple = ()) -> None:
     global PREPARED
     run = compiled.get(sub) if PREPARED and dev >= 0 else None
     hooks = triton.knobs.runtime if run is not None else None
@@ -243,7 +249,7 @@ def _launch(kernel, compiled: dict, sub: tuple, grid: tuple, args: tuple, dev: i
             and not getattr(hooks.launch_exit_hook, "calls", hooks.launch_exit_hook)):
         try:
             run.run(*grid, *(1,) * (3 - len(grid)), torch._C._cuda_getCurrentRawStream(dev), run.function,
-                    run.packed_metadata, None, None, None, *args)
+                    run.packed_metadata, None, None, None, *(fast or args))
             return
         except (TypeError, AttributeError) as exc:  # refused before anything was launched
             PREPARED = False
@@ -267,9 +273,11 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     (every expert, or one) is passed as its first slot and count, anything else as a
     table copied to the device.
     """
-    experts = list(dict.fromkeys(experts))  # a slot listed twice is requantized once
     k = len(experts)
-    if k == 0:
+    if k > 1:
+        experts = list(dict.fromkeys(experts))  # a slot listed twice is requantized once
+        k = len(experts)
+    elif k == 0:
         return
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
@@ -281,19 +289,28 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
            a13.data_ptr(), a13.dtype, a13.shape, a13.stride(), a13_raw.data_ptr(), a13_raw.dtype,
            a13_raw.shape, a13_raw.stride(), a2.data_ptr(), a2.dtype, a2.shape, a2.stride(),
            a2_raw.data_ptr(), a2_raw.dtype, a2_raw.shape, a2_raw.stride())
-    ticket, half, e_all, compiled = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
-    if min(experts) < 0 or max(experts) >= e_all:
-        raise IndexError(f"requantize_w13_: experts {experts} outside the layer's {e_all}")
-    first = int(experts[0])
-    listed = k > 1 and experts != list(range(first, first + k))
+    entry = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
+    ticket, half, e_all, compiled, ptrs, block_e = entry
+    first = experts[0]
+    if k == 1:
+        listed = False
+        if not 0 <= first < e_all:
+            raise IndexError(f"requantize_w13_: expert {first} outside the layer's {e_all}")
+    else:
+        if min(experts) < 0 or max(experts) >= e_all:
+            raise IndexError(f"requantize_w13_: experts {experts} outside the layer's {e_all}")
+        listed = experts != list(range(first, first + k))
+    first = int(first)
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
     iters = _iters(k)
     grid = (k, cdiv(half, BLOCK * iters))
     block_k = min(1024, next_pow2(k))
     args = (w13, w13_scale, idx, first, k, ticket, a13, a13_raw, a2, a2_raw, half, e_all, listed, merge,
-            iters, BLOCK, block_k, next_pow2(e_all), EXACT)
+            iters, BLOCK, block_k, block_e, EXACT)
+    p13, p_scale, p_ticket, *p_inputs = ptrs
+    fast = (p13, p_scale, idx.data_ptr() if listed else p_ticket, first, k, p_ticket, *p_inputs, *args[10:])
     try:
-        _launch(_requant_w13_kernel, compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, dev)
+        _launch(_requant_w13_kernel, compiled, (listed, iters, block_k, BLOCK, EXACT), grid, args, dev, fast)
     except BaseException:  # a launch cut short may leave its ticket counter non-zero, which would
         (_LAYERS if cache is None else cache).pop(key, None)  # break every later launch's "last
         raise  # program": a new one
@@ -344,8 +361,11 @@ def quantize_experts_(device, numel: int, cols13: int, rows: list[tuple[int, ...
     amax_args = (table, *args, partial, numel, one, iters, BLOCK, aligned)
     quant_args = (table, *args, partial, INV_FP8_MAX, MIN_SCALE, numel, cols13, one, iters, BLOCK, rblock,
                   EXACT, aligned)
-    _launch(_expert_amax_kernel, _BF16_AMAX, sub, grid, amax_args, dev)
-    _launch(_expert_quant_kernel, _BF16_QUANT, sub, grid, quant_args, dev)
+    p_table, p_partial = table.data_ptr(), partial.data_ptr()
+    _launch(_expert_amax_kernel, _BF16_AMAX, sub, grid, amax_args, dev,
+            (p_table, *args, p_partial, *amax_args[9:]))
+    _launch(_expert_quant_kernel, _BF16_QUANT, sub, grid, quant_args, dev,
+            (p_table, *args, p_partial, *quant_args[9:]))
 
 
 __all__ = ["quantize_experts_", "requantize_w13_"]
