@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import pytest
 import torch
 
@@ -455,6 +456,48 @@ def test_each_fast_launch_passes_the_addresses_of_the_tensors_triton_would_get(m
         want = tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
         assert len(fast) == len(args) and fast == want, (args, fast)
         assert all(type(f) is int for a, f in zip(args, fast) if isinstance(a, torch.Tensor))
+
+
+def test_input_scales_as_an_iterator_give_the_same_launch_as_a_tuple(monkeypatch):
+    """(review, helper 47) Input scales handed over as an iterator (a `zip`) are read once:
+    the layer's entry then held 3 addresses, not 7, and the launches of the same tensors
+    afterwards (a tuple too) passed the kernel's sizes and flags where the input scales'
+    addresses belong (on a GPU: stores to garbage addresses)."""
+    calls = []
+    real = requant._launch
+    monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev, fast=(): (
+        calls.append((args, fast)), real(kernel, compiled, sub, grid, args, dev, fast)))
+    q, s = (t.to(DEVICE) for t in fp8_w13(4, 16, 32))
+    a13, raw13, a2, raw2 = (torch.rand(4, device=DEVICE) for _ in range(4))
+    want = [t.clone() for t in (q, s, a13, raw13, a2, raw2)]
+    for e in (1, 2):  # the torch path, as the two calls below
+        idx = torch.tensor([e])
+        ops.merge_input_scales_(want[2], want[3], idx)
+        ops.merge_input_scales_(want[4], want[5], idx)
+        ops._requantize_torch_(want[0], want[1], idx, 16)
+    cache: dict = {}
+    requant.requantize_w13_(q, s, [1], zip((a13, a2), (raw13, raw2)), cache)
+    requant.requantize_w13_(q, s, [2], ((a13, raw13), (a2, raw2)), cache)
+    assert len(calls) == 2
+    for args, fast in calls:
+        assert fast == tuple(a.data_ptr() if isinstance(a, torch.Tensor) else a for a in args)
+    for name, a, b in zip(("w13", "w13_scale", "a13", "a13_raw", "a2", "a2_raw"), want,
+                          (q, s, a13, raw13, a2, raw2)):
+        assert_bitwise_equal(a, b, name)
+
+
+@pytest.mark.parametrize("experts", [[1.0, 3.0], [np.float64(1), np.float64(2)], {2}, (3,), range(0, 2)],
+                         ids=["floats", "numpy floats", "a set", "a tuple", "a range"])
+def test_experts_in_any_form_the_torch_path_takes(experts):
+    """(review, helper 47) Float slots and collections other than a list: the same bytes as
+    the torch path, as before the one-expert shortcut."""
+    q, s = (t.to(DEVICE) for t in fp8_w13(4, 16, 32))
+    s[:, 0] *= 0.5
+    want_q, want_s = q.clone(), s.clone()
+    ops._requantize_torch_(want_q, want_s, torch.tensor(sorted(int(e) for e in experts)), 16)
+    requant.requantize_w13_(q, s, experts)
+    assert_bitwise_equal(want_q, q, "w13")
+    assert_bitwise_equal(want_s, s, "w13_scale")
 
 
 _PTX = """

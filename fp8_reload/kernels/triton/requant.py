@@ -273,6 +273,8 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
     (every expert, or one) is passed as its first slot and count, anything else as a
     table copied to the device.
     """
+    if type(experts) is not list:  # (a set, a tuple, a range)
+        experts = list(experts)
     k = len(experts)
     if k > 1:
         experts = list(dict.fromkeys(experts))  # a slot listed twice is requantized once
@@ -281,6 +283,7 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
         return
     merge = input_scales is not None
     (a13, a13_raw), (a2, a2_raw) = input_scales if merge else ((w13_scale, w13_scale),) * 2
+    input_scales = ((a13, a13_raw), (a2, a2_raw)) if merge else None  # (read once: an iterator)
     # what `_fp8_layer` checked: another tensor at a cached address (or another device, or
     # the same memory seen through other strides) is checked again
     dev = w13.get_device()
@@ -291,16 +294,16 @@ def requantize_w13_(w13: torch.Tensor, w13_scale: torch.Tensor, experts: list[in
            a2_raw.data_ptr(), a2_raw.dtype, a2_raw.shape, a2_raw.stride())
     entry = _layer(key, lambda: _fp8_layer(w13, w13_scale, input_scales), cache)
     ticket, half, e_all, compiled, ptrs, block_e = entry
-    first = experts[0]
     if k == 1:
         listed = False
-        if not 0 <= first < e_all:
-            raise IndexError(f"requantize_w13_: expert {first} outside the layer's {e_all}")
+        if not 0 <= experts[0] < e_all:
+            raise IndexError(f"requantize_w13_: expert {experts[0]} outside the layer's {e_all}")
+        first = int(experts[0])
     else:
         if min(experts) < 0 or max(experts) >= e_all:
             raise IndexError(f"requantize_w13_: experts {experts} outside the layer's {e_all}")
+        first = int(experts[0])
         listed = experts != list(range(first, first + k))
-    first = int(first)
     idx = device_ints(experts, w13.device) if listed else ticket  # (unused when not listed)
     iters = _iters(k)
     grid = (k, cdiv(half, BLOCK * iters))
