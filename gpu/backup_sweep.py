@@ -28,15 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fp8_reload as fr  # noqa: E402
 from fp8_reload.checkpoint import ensure_checkpoint  # noqa: E402
 from fp8_reload.reload import backup  # noqa: E402
-from fp8_reload.testing import io_paths  # noqa: E402
+from fp8_reload.testing import host_time_per_call, io_paths  # noqa: E402
 
 
 def wall(fn) -> float:
-    torch.cuda.synchronize()
-    t = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - t) * 1e3
+    """ms of one call of `fn`, the device synchronized before and after."""
+    return host_time_per_call(fn, 1, to_sync=True) * 1e3
 
 
 def best(fn, n: int = 5) -> float:

@@ -220,6 +220,18 @@ DEVICE_WORK = {"item", "tolist", "cpu", "pin_memory", "to", "copy_", "empty", "z
                "index_select", "index_copy_", "amax", "max", "clone", "contiguous"}
 
 
+def watch_launches(monkeypatch, seen) -> None:
+    """`seen(kernel, compiled, sub, args, fast)` before every launch of the processing kernels,
+    which then run as they would (the compiled kernels' own launches too)."""
+    real = requant._launch
+
+    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
+        seen(kernel, compiled, sub, args, fast)
+        real(kernel, compiled, sub, grid, args, dev, fast)
+
+    monkeypatch.setattr(requant, "_launch", launch)
+
+
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
     """One reloaded expert: fp8 one launch, bf16 two (amax, quantize) plus the scratch of
@@ -227,14 +239,12 @@ def test_one_expert_is_one_or_two_launches_and_nothing_else(monkeypatch, kind):
     launches: list = []
     for name in ("_requant_w13_kernel", "_expert_amax_kernel", "_expert_quant_kernel"):
         monkeypatch.setattr(requant, name, _Counted(getattr(requant, name), launches))
-    real_launch = requant._launch  # the compiled kernels' own launches too
 
-    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
+    def compiled_launch(kernel, compiled, sub, args, fast):
         if sub in compiled:
             launches.append(f"{kernel.fn.__name__ if hasattr(kernel, 'fn') else kernel} (compiled)")
-        real_launch(kernel, compiled, sub, grid, args, dev, fast)
 
-    monkeypatch.setattr(requant, "_launch", launch)
+    watch_launches(monkeypatch, compiled_launch)
     monkeypatch.setattr(ops, "on_triton", lambda t: True)
     e, inter, hidden = 4, 16, 32
     if kind == "fp8":
@@ -392,15 +402,13 @@ def test_each_cached_launch_binds_to_one_triton_specialization(monkeypatch):
     assert _not_specialized(requant._expert_amax_kernel) == requant.ADDRESSES
     seen: dict = {}
     entries = []  # kept alive: no id reused
-    real = requant._launch
 
-    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
+    def bind(kernel, compiled, sub, args, fast):
         binder = binders[getattr(kernel, "fn", kernel).__name__]
         entries.append(compiled)
         seen.setdefault((id(compiled), sub), set()).add(tuple((t, str(v)) for t, v in binder(*args)[1]))
-        real(kernel, compiled, sub, grid, args, dev, fast)
 
-    monkeypatch.setattr(requant, "_launch", launch)
+    watch_launches(monkeypatch, bind)
     for e in (16, 64):
         q, s = (t.to(DEVICE) for t in fp8_w13(e, 16, 32, seed=e))
         scales = tuple((torch.rand(e, device=DEVICE), torch.rand(e, device=DEVICE)) for _ in range(2))
@@ -430,13 +438,7 @@ def test_each_fast_launch_passes_the_addresses_of_the_tensors_triton_would_get(m
     launch, of every kind and scope, they are exactly `args` with each tensor replaced by
     its `data_ptr()`, the other arguments unchanged and in place."""
     calls = []
-    real = requant._launch
-
-    def launch(kernel, compiled, sub, grid, args, dev, fast=()):
-        calls.append((args, fast))
-        real(kernel, compiled, sub, grid, args, dev, fast)
-
-    monkeypatch.setattr(requant, "_launch", launch)
+    watch_launches(monkeypatch, lambda kernel, compiled, sub, args, fast: calls.append((args, fast)))
     for e in (4, 16):
         q, s = (t.to(DEVICE) for t in fp8_w13(e, 16, 32, seed=e))
         scales = tuple((torch.rand(e, device=DEVICE), torch.rand(e, device=DEVICE)) for _ in range(2))
@@ -464,9 +466,7 @@ def test_input_scales_as_an_iterator_give_the_same_launch_as_a_tuple(monkeypatch
     afterwards (a tuple too) passed the kernel's sizes and flags where the input scales'
     addresses belong (on a GPU: stores to garbage addresses)."""
     calls = []
-    real = requant._launch
-    monkeypatch.setattr(requant, "_launch", lambda kernel, compiled, sub, grid, args, dev, fast=(): (
-        calls.append((args, fast)), real(kernel, compiled, sub, grid, args, dev, fast)))
+    watch_launches(monkeypatch, lambda kernel, compiled, sub, args, fast: calls.append((args, fast)))
     q, s = (t.to(DEVICE) for t in fp8_w13(4, 16, 32))
     a13, raw13, a2, raw2 = (torch.rand(4, device=DEVICE) for _ in range(4))
     want = [t.clone() for t in (q, s, a13, raw13, a2, raw2)]
