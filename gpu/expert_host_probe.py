@@ -4,7 +4,8 @@
 
 Through the asv benchmark's fixture (`benchmarks.fixtures.UnprocessedLayer`, v2-lite:2 fp8,
 one expert loaded again), medians in microseconds:
-  wall     process() from the restored state to the end of a sync (what asv times)
+  wall     process() from the restored state to the end of a sync (what asv times;
+           `process_probe.per_call`)
   python   process() back to back with the launch replaced by nothing (the Python around it)
   launch   the captured launch alone, back to back (`requant._launch` with its arguments)
   sync     torch.cuda.synchronize() with nothing queued (the benchmark's closing sync)
@@ -13,35 +14,24 @@ one expert loaded again), medians in microseconds:
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+for _p in (str(ROOT), str(ROOT / "gpu")):
+    if _p not in sys.path:
+        sys.path.insert(0, _p)
 os.environ["FP8_RELOAD_BENCH_DEVICE"] = "cuda"
+
+from process_probe import per_call  # noqa: E402
 
 import fp8_reload as fr  # noqa: E402
 from benchmarks.fixtures import UnprocessedLayer  # noqa: E402
 from fp8_reload.kernels.triton import requant  # noqa: E402
 from fp8_reload.testing import host_time_per_call  # noqa: E402
-
-
-def wall(state, n=300) -> float:
-    out = []
-    for _ in range(n):
-        state.restore()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        state.process()
-        torch.cuda.synchronize()
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out) * 1e6
 
 
 def main() -> None:
@@ -56,7 +46,7 @@ def main() -> None:
             layer.loaded_experts = set(loaded)
             state.process()
 
-        rows = {"wall": wall(state)}
+        rows = {"wall": per_call(state, 300)[0]}
         real, captured = requant._launch, []
         requant._launch = lambda *a: captured.append(a) if not captured else None
         try:
@@ -66,7 +56,7 @@ def main() -> None:
         rows["launch"] = host_time_per_call(lambda: real(*captured[0]), 800, warmup=10) * 1e6
         torch.cuda.synchronize()
         rows["sync"] = host_time_per_call(torch.cuda.synchronize, 2000, warmup=10) * 1e6
-        rows["wall again"] = wall(state)
+        rows["wall again"] = per_call(state, 300)[0]
         state.restore()
     print("[expert host] " + ", ".join(f"{k} {v:.1f} us" for k, v in rows.items()), flush=True)
 
