@@ -6,10 +6,10 @@ Each round runs one process per tree (its `fp8_reload` first on `sys.path`), tre
 alternating from round to round: a model loaded on the GPU, two reloads (the second
 registers the shards), then per figure the median of a few: repeated full reloads (host
 backup, device backup), first reloads (files touched: parsed, checked, read through the
-ring), filtered reloads (1 expert per MoE layer); and the second reload of each process
-(its shards registered then). The H2D limit (one pinned copy of the files' size) is
-measured in this process. Every reload is checked bit for bit against a fresh load once
-per process.
+ring; backup in host or in device memory), filtered reloads (1 expert per MoE layer);
+and the second reload of each process (its shards registered then). The H2D limit (one
+pinned copy of the files' size) is measured in this process. Every reload is checked bit for
+bit against a fresh load once per process.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 CHILD = "--child"
 
 
-FIGURES = ("repeated", "device backup", "filtered", "first")
+FIGURES = ("repeated", "device backup", "filtered", "first", "first device backup")
 
 
 def child(tree: str, path: str, reps: int, figures: list[str]) -> dict:
@@ -50,9 +50,9 @@ def child(tree: str, path: str, reps: int, figures: list[str]) -> dict:
         torch.cuda.synchronize()
         return (time.perf_counter() - t) * 1e3
 
-    def first():
+    def first(backup="host"):
         io_paths.touch(files)
-        fr.update_weights_from_disk(model, path)
+        fr.update_weights_from_disk(model, path, backup=backup)
 
     # the first two of the process (kernels compiled; the second registers the shards)
     warm = [wall(lambda: fr.update_weights_from_disk(model, path)) for _ in range(2)]
@@ -61,6 +61,7 @@ def child(tree: str, path: str, reps: int, figures: list[str]) -> dict:
         "device backup": lambda: fr.update_weights_from_disk(model, path, backup="device"),
         "filtered": lambda: fr.update_weights_from_disk(model, path, flt),
         "first": first,
+        "first device backup": lambda: first("device"),
     }
     out = {name: [wall(ways[name]) for _ in range(reps)] for name in figures}
     out["second (registers)"] = warm[1:]
