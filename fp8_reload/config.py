@@ -59,6 +59,11 @@ class MoEConfig:
         }
         if name not in presets:
             raise ValueError(f"unknown preset {name!r}; choose one of {', '.join(presets)}")
+        # a slice, never a deeper model: 99,999 layers of v2-lite would be 59 TB on disk
+        layers, whole = overrides.get("num_layers"), presets[name]["num_layers"]
+        if layers is not None and layers > whole:
+            raise ValueError(f"num_layers={layers}: preset {name!r} has {whole} layers (a slice of "
+                             "it takes at most that many)")
         fields = {"name": name, **presets[name],
                   **{k: v for k, v in overrides.items() if v is not None}}
         cfg = cls(**fields)

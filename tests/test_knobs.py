@@ -1,4 +1,4 @@
-"""`FP8_RELOAD_*` whole-number settings: read once at import, a bad value refused by name."""
+"""`FP8_RELOAD_*` settings: read once at import, a bad value refused by name."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from fp8_reload.knobs import env_int
+from fp8_reload.knobs import env_choice, env_int
 
 
 @pytest.mark.parametrize("raw,want", [(None, 7), ("", 7), ("  ", 7), ("0", 0), ("4096", 4096),
@@ -33,7 +33,15 @@ def test_anything_else_is_refused_by_name(monkeypatch, raw, says):
 @pytest.mark.parametrize("name,raw", [("FP8_RELOAD_CHUNK_BYTES", "64M"), ("FP8_RELOAD_CHUNK_BYTES", "0"),
                                       ("FP8_RELOAD_RING_SLOTS", "0"), ("FP8_RELOAD_BACKUP_ON_DEVICE", "-1"),
                                       ("FP8_RELOAD_READ_THREADS", "0"), ("FP8_RELOAD_REGISTER_PIECE", "x"),
-                                      ("FP8_RELOAD_STREAM_QUANT", "yes")])
+                                      ("FP8_RELOAD_STREAM_QUANT", "yes"),
+                                      # review s25: no upper bound made a ring of 2**62-byte
+                                      # chunks fail inside every commit, 5,000 reader processes
+                                      # take minutes to start; a typo chose the old engine
+                                      ("FP8_RELOAD_CHUNK_BYTES", str(2**62)),
+                                      ("FP8_RELOAD_RING_SLOTS", str(2**63)),
+                                      ("FP8_RELOAD_READ_THREADS", "5000"), ("FP8_RELOAD_ENGINE", "Stream"),
+                                      ("FP8_RELOAD_IO", "Direct"), ("FP8_RELOAD_READERS", "procs"),
+                                      ("FP8_RELOAD_REGISTER", "sometimes")])
 def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
     """A chunk of 0 bytes or a ring of 0 slots would leave a reload nothing to make progress
     with: refused when `fr.update_weights_from_disk` is first looked up (its modules are
@@ -42,6 +50,19 @@ def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
     code = "import fp8_reload as fr; fr.update_weights_from_disk"
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode != 0 and f"{name}={raw!r}" in done.stderr, done.stderr[-2000:]
+
+
+def test_a_maximum_and_a_choice_are_refused_by_name(monkeypatch):
+    monkeypatch.setenv("FP8_RELOAD_TEST_KNOB", "1025")
+    with pytest.raises(ValueError, match="FP8_RELOAD_TEST_KNOB='1025': must be at most 1024"):
+        env_int("FP8_RELOAD_TEST_KNOB", 7, minimum=1, maximum=1024)
+    monkeypatch.setenv("FP8_RELOAD_TEST_KNOB", "1024")
+    assert env_int("FP8_RELOAD_TEST_KNOB", 7, minimum=1, maximum=1024) == 1024
+    monkeypatch.setenv("FP8_RELOAD_TEST_KNOB", "B")
+    with pytest.raises(ValueError, match="FP8_RELOAD_TEST_KNOB='B': expected one of a, b"):
+        env_choice("FP8_RELOAD_TEST_KNOB", "a", ("a", "b"))
+    monkeypatch.delenv("FP8_RELOAD_TEST_KNOB")
+    assert env_choice("FP8_RELOAD_TEST_KNOB", "a", ("a", "b")) == "a"
 
 
 def test_the_registration_budget_is_read_the_same_way(monkeypatch):

@@ -29,11 +29,10 @@ import torch
 
 from ..device import host_register, host_unregister
 from ..errors import ReloadError
+from ..knobs import env_choice
 from .staging import READ_THREADS
 
-READERS = os.environ.get("FP8_RELOAD_READERS", "processes")
-if READERS not in ("processes", "threads"):
-    raise ValueError(f"FP8_RELOAD_READERS must be processes or threads, not {READERS!r}")
+READERS = env_choice("FP8_RELOAD_READERS", "processes", ("processes", "threads"))
 WORKER = Path(__file__).with_name("read_worker.py")
 # Reads asked of one process and not yet answered, at most: each message waits in a socket
 # buffer of finite size, and a process whose answers nobody reads stops reading requests.
@@ -251,16 +250,26 @@ def pool() -> ReaderProcs | None:
     if not supported():
         return None
     with _lock:
-        if _pool is None or _pool.pid != os.getpid() or not _pool.alive():
-            if _pool is not None and _pool.pid == os.getpid():
-                _pool.close()
-            _pool = None
-            try:
-                _pool = ReaderProcs(max(1, READ_THREADS))
-            except (OSError, ReloadError) as e:  # no process could start or answer here
-                _failed.append(f"{type(e).__name__}: {e}")
-                return None
-        return _pool
+        ours = _pool if _pool is not None and _pool.pid == os.getpid() else None
+        # a ring streaming through them (another thread's reload) owes answers, which reads
+        # as not `alive`: judged only when free, else that reload would lose its readers
+        # mid-stream (the caller, not getting `busy` either, reads with threads)
+        if ours is not None and not ours.busy.acquire(blocking=False):
+            return ours
+        try:
+            if ours is None or not ours.alive():
+                if ours is not None:
+                    ours.close()
+                _pool = None
+                try:
+                    _pool = ReaderProcs(max(1, READ_THREADS))
+                except (OSError, ReloadError) as e:  # no process could start or answer here
+                    _failed.append(f"{type(e).__name__}: {e}")
+                    return None
+            return _pool
+        finally:
+            if ours is not None:
+                ours.busy.release()
 
 
 def forget(buf: SharedBuffer) -> None:

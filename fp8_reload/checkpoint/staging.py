@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from ..errors import ReloadError
 from ..knobs import env_int
 from .header import forget_parsed
 
@@ -27,7 +28,8 @@ ALIGN = 64  # every staged tensor starts on a 64-byte boundary (any dtype can vi
 # queueing the chunks, up to 16 (the H200 host's 16 cores read 1.74 GiB from the page cache in
 # 43-56 ms with 16 threads)
 _CORES = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 2)
-READ_THREADS = env_int("FP8_RELOAD_READ_THREADS", min(16, max(2, _CORES - 1)), minimum=1)
+# (each is a reader process: hundreds took seconds to start)
+READ_THREADS = env_int("FP8_RELOAD_READ_THREADS", min(16, max(2, _CORES - 1)), minimum=1, maximum=256)
 PIECE_BYTES = 8 << 20  # one positional read: enough to keep a thread busy, small enough to share a tensor
 
 
@@ -127,7 +129,13 @@ def release_staging(model) -> None:
     Parameters' memory, kept from `load_model` on: memory a Parameter was moved off
     stays allocated while they hold it), and the process's parsed shard headers (shared
     by every model: theirs are parsed again). The next reload re-allocates and re-plans.
-    Waits for a reload of `model` running in another thread (it uses them)."""
+    Waits for a reload of `model` running in another thread (it uses them); refused from
+    inside a forward of `model`, where that reload may be waiting for this very forward."""
+    weights = getattr(model, "weights_lock", None)
+    if weights is not None and weights.held_for_reading:
+        raise ReloadError("release_staging: cannot run inside a forward of the same model (a "
+                          "reload waiting for that forward would never let it finish); nothing "
+                          "was released")
     lock = getattr(model, "reload_lock", None)
     with lock if lock is not None else contextlib.nullcontext():
         for thing in held(model).values():

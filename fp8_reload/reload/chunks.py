@@ -39,15 +39,13 @@ from ..checkpoint.reader import Checkpoint
 from ..checkpoint.staging import PIECE_BYTES, READ_THREADS
 from ..checkpoint.values import invalid_tensor_error
 from ..errors import InvalidTensorError, ReloadError
-from ..knobs import env_int
+from ..knobs import env_choice, env_int
 from .targets import Target
 
-CHUNK_BYTES = env_int("FP8_RELOAD_CHUNK_BYTES", 64 << 20, minimum=1)
-RING_SLOTS = env_int("FP8_RELOAD_RING_SLOTS", 4, minimum=1)
+CHUNK_BYTES = env_int("FP8_RELOAD_CHUNK_BYTES", 64 << 20, minimum=1, maximum=1 << 36)  # (a ring of
+RING_SLOTS = env_int("FP8_RELOAD_RING_SLOTS", 4, minimum=1, maximum=1024)  # them is shared memory)
 PART_BYTES = env_int("FP8_RELOAD_PART_BYTES", 16 << 20)  # (0: a slot per chunk)
-READ_IO = os.environ.get("FP8_RELOAD_IO", "buffered")
-if READ_IO not in ("buffered", "direct"):
-    raise ValueError(f"FP8_RELOAD_IO must be buffered or direct, not {READ_IO!r}")
+READ_IO = env_choice("FP8_RELOAD_IO", "buffered", ("buffered", "direct"))
 DIRECT_ALIGN = 4096  # O_DIRECT: offsets, lengths and addresses in whole logical blocks (512 or 4096)
 MIN_PIECE_BYTES = 1 << 20
 WINDOW_SLACK = 8  # a registered chunk moves as one window while its gaps are <= 1/8 of its bytes

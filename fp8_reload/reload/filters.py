@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import operator
 import re
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 from torch import nn
@@ -28,9 +29,12 @@ class ExpertFilter:
     _pattern = re.compile(r"layers\.(\d+)\.mlp\.experts\.(\d+)\.")
 
     def __init__(self, layer_experts: dict[int, Iterable[int]]):
-        layer_experts = {k: sorted(set(v)) for k, v in layer_experts.items()}
-        self.wanted = frozenset((int(layer), int(e)) for layer, es in layer_experts.items() for e in es)
-        self.layer_experts = layer_experts
+        if not isinstance(layer_experts, Mapping):
+            raise TypeError(f"generate_weight_name_filter takes {{layer: experts}}, got {layer_experts!r}")
+        self.layer_experts = {_whole(layer, "layer"): sorted({_whole(e, f"layer {layer}: expert")
+                                                             for e in _collection(layer, es)})
+                              for layer, es in layer_experts.items()}
+        self.wanted = frozenset((layer, e) for layer, es in self.layer_experts.items() for e in es)
 
     @staticmethod
     def key(name: str) -> tuple[int, int] | None:
@@ -43,6 +47,27 @@ class ExpertFilter:
 
     def __repr__(self) -> str:
         return f"generate_weight_name_filter({self.layer_experts!r})"
+
+
+def _whole(value, what: str) -> int:
+    """`value` as an int where it is one: an int, a numpy or 0-d tensor integer, or decimal
+    digits (the keys of a plan read from JSON). A float is refused: ``int(2.7)`` would quietly
+    name another expert."""
+    if isinstance(value, str) and value.strip().isdecimal():
+        return int(value)
+    try:
+        return operator.index(value)
+    except TypeError:
+        raise TypeError(f"generate_weight_name_filter: {what} {value!r} is not a whole number") from None
+
+
+def _collection(layer, experts):
+    """A layer's experts, refused unless a collection: a string would be read a digit at a
+    time ("12": experts 1 and 2)."""
+    if isinstance(experts, (str, bytes)) or not isinstance(experts, Iterable):
+        raise TypeError(f"generate_weight_name_filter: layer {layer}'s experts must be a collection of "
+                        f"whole numbers (a list, a set, a range), got {experts!r}")
+    return experts
 
 
 def generate_weight_name_filter(layer_experts: dict[int, Iterable[int]]) -> ExpertFilter:

@@ -15,7 +15,6 @@ Kinds of target:
 
 from __future__ import annotations
 
-import os
 import weakref
 from dataclasses import dataclass, field, replace
 
@@ -23,6 +22,7 @@ import torch
 from torch import nn
 
 from ..checkpoint.header import TensorInfo
+from ..knobs import env_choice
 from ..layers import Fp8Linear, FusedMoE
 from ..processing import FixedFp8LinearMethod, FixedFp8MoEMethod
 from .filters import modules_by_name
@@ -47,11 +47,8 @@ def _default_loaded(param) -> bool:
 # linear's `quantize_shards_`), FP8_RELOAD_STREAM_QUANT: 1 (default) experts and linears,
 # "experts" the experts only, 0 none; the others take their loaders (staged in pinned memory,
 # quantized by post-processing).
-STREAM_QUANT = {"1": ("experts", "linears"), "experts": ("experts",), "0": ()}.get(
-    os.environ.get("FP8_RELOAD_STREAM_QUANT", "1"))
-if STREAM_QUANT is None:
-    raise ValueError(f"FP8_RELOAD_STREAM_QUANT={os.environ['FP8_RELOAD_STREAM_QUANT']!r}: expected 1, "
-                     "experts or 0")
+STREAM_QUANT = {"1": ("experts", "linears"), "experts": ("experts",), "0": ()}[
+    env_choice("FP8_RELOAD_STREAM_QUANT", "1", ("1", "experts", "0"))]
 
 
 def plan_targets(model, infos: list[TensorInfo], quantize_on_device: bool,

@@ -44,7 +44,7 @@ from ..checkpoint.registered import RegisteredShards
 from ..checkpoint.staging import held, holder
 from ..checkpoint.values import KeptTables, nonfinite_flags
 from ..device import copy_async, side_stream
-from ..knobs import env_int
+from ..knobs import env_choice, env_int
 from ..layers import FusedMoE
 from ..processing.ops import expert_rows, fp8_expert_layout, on_triton
 from . import chunks as _chunks
@@ -52,7 +52,7 @@ from .chunks import Chunk, invalid_value
 from .ring import ring_for, stream_through_ring
 from .targets import Target
 
-REGISTER = os.environ.get("FP8_RELOAD_REGISTER", "auto")
+REGISTER = env_choice("FP8_RELOAD_REGISTER", "auto", ("auto", "always", "never"))
 REGISTER_STEP = env_int("FP8_RELOAD_REGISTER_STEP", 4 << 30)
 # A chunk whose copy table is not kept (a filtered reload's) writes at most this many views
 # with a copy each: building a table and sending it to the device cost 0.2-0.3 ms of host

@@ -31,7 +31,6 @@ transaction costs) and per-phase `seconds`.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from contextlib import ExitStack, contextmanager
@@ -45,6 +44,7 @@ from ..checkpoint import Checkpoint, staging
 from ..device import current_cuda, model_device, on_cuda, resolve_device, side_stream, synchronize
 from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
+from ..knobs import env_choice
 from ..layers import FP8MoEModel
 from ..processing import get_mode, process_modules
 from ..processing.ops import on_triton
@@ -68,7 +68,7 @@ from .to_device import registered_files, registered_now, release_dropped
 # "stream" (default): the fixed path streams bytes into place (`stream.py`); "staged": every
 # tensor read to host memory first, then the modules' loaders (the engine before; kept to
 # compare against, and what the upstream mode's scan-all reads use)
-ENGINE = os.environ.get("FP8_RELOAD_ENGINE", "stream")
+ENGINE = env_choice("FP8_RELOAD_ENGINE", "stream", ("stream", "staged"))
 
 
 def on_triton_device(model) -> bool:

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import signal
 import sys
+import threading
 
 from ..config import MoEConfig
-from ..errors import DeviceUnavailableError
+from ..errors import CheckpointError, DeviceUnavailableError
 from ..version import __version__
 from .profile.options import SCENARIOS, TOOLS
-from .usage import UsageError
+from .usage import UsageError, output_file, work_dir
 
 DESCRIPTION = ("Benchmark, profile and gate hot reloads of FP8 MoE weights the way SGLang's "
                "expert load balancer (EPLB) does them, with the fix for SGLang 0.5.23. "
@@ -121,9 +123,9 @@ def _gate(sub) -> None:
     _device_option(g)
     g.add_argument("--bounds", default=None, metavar="TOML",
                    help="bounds file (default: the versioned fp8_reload/kernels/bounds.toml)")
-    g.add_argument("--json", default=None, metavar="OUT",
+    g.add_argument("--json", default=None, metavar="OUT", type=output_file,
                    help="also write the full results as JSON (default: none)")
-    g.add_argument("--workdir", default=None, metavar="DIR",
+    g.add_argument("--workdir", default=None, metavar="DIR", type=work_dir,
                    help="keep the checkpoints here (default: a temporary directory, removed)")
 
 
@@ -174,7 +176,7 @@ def _rebalance(sub) -> None:
                         "0 demands bitwise equality)")
     r.add_argument("--no-check", action="store_true",
                    help="skip the fresh-load and single-device comparisons")
-    r.add_argument("--json", default=None, metavar="OUT",
+    r.add_argument("--json", default=None, metavar="OUT", type=output_file,
                    help="also write per-rank results to this JSON file (default: none)")
 
 
@@ -309,6 +311,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+class _Terminated(SystemExit):
+    """SIGTERM (a CI job's timeout, `kill`) raised as an exception, so that the command ends as
+    on Ctrl-C: a reload rolls back and temporary checkpoints are removed on the way out (under
+    the default action the process vanished and left them: gigabytes for v2-lite)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated(128 + signum)
+
+
 def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -316,14 +328,28 @@ def main(argv=None) -> int:
         parser.print_help(sys.stderr)
         return 2
     name = f"{parser.prog} {args.command}"
+    term = signal.getsignal(signal.SIGTERM) if threading.current_thread() is threading.main_thread() else None
+    if term is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _raise_terminated)
     try:
+        if getattr(args, "num_layers", None) is not None and getattr(args, "preset", None):
+            try:  # before any work: a slice deeper than the preset is refused here, not after it
+                MoEConfig.preset(args.preset, num_layers=args.num_layers)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
         return args.func(args)
     except KeyboardInterrupt:
         print(f"{name}: interrupted", file=sys.stderr)
         return 130
-    except (UsageError, DeviceUnavailableError) as e:
-        print(f"{name}: error: {e}", file=sys.stderr)
+    except _Terminated as e:
+        print(f"{name}: terminated", file=sys.stderr)
+        return e.code
+    except (UsageError, DeviceUnavailableError, CheckpointError) as e:  # (a checkpoint given that
+        print(f"{name}: error: {e}", file=sys.stderr)  # cannot be read: one line, no traceback)
         return 2
+    finally:
+        if term is signal.SIG_DFL:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ def _entries(path) -> dict[tuple[str, tuple], _Entry]:
 
     with open(path) as f:
         data = json.load(f)
+    if not isinstance(data, dict) or not isinstance(data.get("results", {}), dict):
+        raise ValueError(f"{path}: no table of benchmark results")
     cols = data.get("result_columns", ["result", "params"])
     out = {}
     for bench, entry in data.get("results", {}).items():

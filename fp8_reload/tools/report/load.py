@@ -19,9 +19,16 @@ def _literal(v):
 
 
 def _load_json(path: Path) -> dict:
-    # asv writes NaN for skipped benchmarks; json accepts it.
+    """A JSON object from `path`; anything else is a ValueError naming the file. (asv writes
+    NaN for skipped benchmarks; json accepts it.)"""
     with open(path) as f:
-        return json.load(f)
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path}: not JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: a JSON {type(data).__name__}, where an object was expected")
+    return data
 
 
 def _product(params: list[list]) -> list[tuple]:
@@ -75,6 +82,9 @@ def load_results(results_dir, machine: str | None = None, commit: str | None = N
             data = _load_json(f)
             if "results" not in data or "commit_hash" not in data:
                 continue
+            if not isinstance(data["results"], dict) or not isinstance(data["commit_hash"], str):
+                raise ValueError(f"{f}: not an asv result file ('results' is not a table of "
+                                 "benchmarks, or 'commit_hash' not a string)")
             if commit and not data["commit_hash"].startswith(commit):
                 continue
             cols = data.get("result_columns", ["result", "params"])
