@@ -192,13 +192,14 @@ def headline(rows: list[dict], whole_layers: int) -> list[str]:
 
 
 def copy_path(device: str) -> str:
-    """How the ranks move rows: the Triton kernel or torch gathers (older commits: torch)."""
+    """How the ranks move rows (`FP8_RELOAD_REBALANCE_COPY`): the Triton kernel or torch's
+    indexed copies (commits without `rows.copy_path`: torch gathers)."""
     try:
-        from fp8_reload.expert_parallel.transfer import use_kernel
+        from fp8_reload.expert_parallel.rows import copy_path as chosen
     except ImportError:
         return "torch gathers (no copy kernel in this commit)"
-    return "one Triton copy_rows_ launch per batch" if use_kernel(torch.device(device)) \
-        else "torch gathers / scatters per slot tensor and layer"
+    return "one Triton copy_rows_ launch per batch" if chosen(torch.device(device)) == "triton" \
+        else "torch indexed copies per slot tensor and layer"
 
 
 def main(argv=None) -> int:
