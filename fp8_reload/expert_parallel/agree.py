@@ -45,8 +45,9 @@ def agree(old: Placement, new: Placement | None, mode: str, exclude_sources, gro
     if low != -neg_high or not all_ok:
         here = f"; here: {problem}" if problem is not None else ""
         raise RebalanceError("ranks disagree on the current placement (or a rank holds another "
-                             "rank's share, has no placement or is not processing='fixed', or "
-                             f"ep_size is not the world size); nothing was changed{here}")
+                             "rank's share, has no placement, is not processing='fixed' or has "
+                             "undefined weights, or ep_size is not the world size); nothing was "
+                             f"changed{here}")
     if new_low != _NONE and new_low != -new_neg_high:
         raise RebalanceError("ranks passed different new placements (ranks other than 0 may "
                              "pass None, or rank 0's new placement); nothing was changed")

@@ -121,6 +121,10 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
     timer = _Timer(stats, device)
     with model.weights_lock.read():
         try:
+            # tokens travel as the bytes of bf16 rows: another dtype would be misread, not refused
+            if x.dtype != torch.bfloat16 or x.dim() != 2:
+                raise DispatchError(f"the expert-parallel forward takes bf16 tokens [T, hidden], "
+                                    f"got {x.dtype} {tuple(x.shape)}")
             block = moe_block(model, layer_id)
             placement = _placement_of(model, rank, world)
             weights, ids = block.gate(x) if routing is None else routing

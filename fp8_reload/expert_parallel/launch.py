@@ -163,6 +163,7 @@ class RankPool:
         self.world_size, self.backend, self.checkpoint = world_size, backend, str(checkpoint)
         self.placement = self.start = start
         self.timeout_s = timeout_s
+        self.broken: str | None = None
         self.conns, self.procs = [], []
         for rank in range(world_size):
             parent, child = ctx.Pipe()
@@ -183,7 +184,13 @@ class RankPool:
         results, errors = [], []
         for rank, conn in enumerate(self.conns):
             if not conn.poll(self.timeout_s):
-                raise TimeoutError(f"rank {rank} did not answer within {self.timeout_s:.0f} s")
+                # its late answer (and the later ranks') would be taken as the next command's:
+                # the pool is given up, not reused out of step
+                self.broken = f"rank {rank} did not answer within {self.timeout_s:.0f} s"
+                for proc in self.procs:
+                    proc.terminate()
+                self.close()
+                raise TimeoutError(f"{self.broken}; the rank pool is closed")
             status, value = conn.recv()
             if status == "ok":
                 results.append(value)
@@ -194,6 +201,8 @@ class RankPool:
         return results
 
     def _call(self, *cmd) -> list:
+        if self.broken or not self.conns:
+            raise RuntimeError(f"the rank pool is closed ({self.broken or 'close() was called'})")
         for conn in self.conns:
             conn.send(cmd)
         return self._collect()

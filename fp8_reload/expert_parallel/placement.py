@@ -83,7 +83,8 @@ class Placement:
         ``ceil(num_experts / ep_size)`` (no redundancy beyond rounding).
         """
         layers = tuple(layers)
-        s = slots_per_rank or default_slots_per_rank(num_experts, ep_size, redundant=0)
+        s = slots_per_rank if slots_per_rank is not None else default_slots_per_rank(
+            num_experts, ep_size, redundant=0)  # (0 is refused by `validate`, not replaced)
         row = torch.arange(ep_size * s) % num_experts
         return cls(layers, num_experts, ep_size, s, row.repeat(len(layers), 1))
 
@@ -92,9 +93,14 @@ class Placement:
                         ) -> Placement:
         """From ``{layer: [[experts of rank 0's slots], [rank 1's], ...]}``."""
         layers = tuple(sorted(slots))
+        if not layers:
+            raise ValueError("from_rank_slots needs at least one layer")
         per_rank = [len(r) for r in slots[layers[0]]]
-        if len(set(per_rank)) != 1:
-            raise ValueError(f"every rank needs the same number of slots, got {per_rank}")
+        for layer in layers:  # every layer alike: the table is read back by these sizes
+            sizes = [len(r) for r in slots[layer]]
+            if len(set(sizes)) != 1 or sizes != per_rank:
+                raise ValueError(f"every rank of every layer needs the same number of slots: layer "
+                                 f"{layers[0]} has {per_rank}, layer {layer} {sizes}")
         table = torch.tensor([[e for rank in slots[layer] for e in rank] for layer in layers])
         return cls(layers, num_experts, len(per_rank), per_rank[0], table)
 
@@ -102,6 +108,8 @@ class Placement:
         p = self.ep_size * self.slots_per_rank
         if self.ep_size < 1 or self.slots_per_rank < 1:
             raise ValueError("ep_size and slots_per_rank must be >= 1")
+        if len(set(self.layers)) != len(self.layers):  # a row per layer: another would never be read
+            raise ValueError(f"layers {list(self.layers)} name a layer twice")
         if self.table.shape != (len(self.layers), p):
             raise ValueError(f"table has shape {tuple(self.table.shape)}, expected "
                              f"({len(self.layers)}, {p}) = (layers, ep_size * slots_per_rank)")

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 
 from ..device import current_cuda, synchronize
+from ..interrupts import sigint_deferred
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel, FusedMoE
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
@@ -55,6 +56,8 @@ from .placement import Placement
 from .plan import RebalancePlan
 from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
 from .transfer import Moves, RowMover, Run, plan_moves
+
+_UNSET = object()  # (a model that has no `checkpoint_path` at all)
 
 
 @dataclass
@@ -127,6 +130,8 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     elif model.mode.name != "fixed":
         problem = (f"rebalance needs processing='fixed' (in-place, scoped); the model "
                    f"uses {model.mode.name!r}")
+    elif getattr(model, "weights_undefined", None):  # (its rows would go to peers as they are)
+        problem = f"this rank's weights are undefined ({model.weights_undefined}); reload it fully first"
     if problem is not None and not dist.is_initialized():
         raise RebalanceError(problem)
     layers = moe_layer_map(model)
@@ -137,7 +142,16 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     timer = _Timer(report.seconds, device, phase_times)
     t_start = t = time.perf_counter()
 
-    with model.reload_lock, current_cuda(device):  # (Triton copies launch on the current device)
+    # Ctrl-C is held from here to the end and turned into this rank's failure at the next vote,
+    # so every rank rolls back (raised here, it left this rank half moved and its peers waiting
+    # in the vote); it is raised once this rank is whole again. A KeyboardInterrupt raised by
+    # code inside takes part in the votes the same way, then is raised as it came. The disk
+    # read of a rebalance may point `checkpoint_path` at `checkpoint`: what the model was
+    # loaded from stays.
+    interrupted: list = []
+    loaded_from = model.__dict__.get("checkpoint_path", _UNSET)
+    with model.reload_lock, current_cuda(device), \
+            sigint_deferred(then=lambda: interrupted.append(RebalanceError("interrupted (Ctrl-C)"))):
         if problem is None and getattr(model, "ep_rank", rank) != rank:
             problem = f"this rank holds rank {model.ep_rank}'s share"
         new, mode, excluded = agree(old, new, mode, exclude_sources, group, comm, problem)
@@ -157,13 +171,15 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         try:  # every buffer is allocated here: a rank that cannot would leave its peers
             mover = RowMover(layers, device)  # waiting in the exchange, so all vote first
             moves = plan_moves(mover, mine, comm)
-        except Exception as e:
+        except BaseException as e:
             error = e
+        error = error or (interrupted[0] if interrupted else None)
         try:
             failed = failed_ranks(error, group, comm)
         except Exception as e:  # a rank left the group: nothing was changed anywhere yet
             error, failed = error or e, "unknown"
         if failed:
+            _reraise_interrupt(error)
             here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
             raise RebalanceError(f"rebalance failed on rank(s) {failed} while laying out its "
                                  f"buffers; nothing was changed{here}") from error
@@ -171,7 +187,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         try:
             mover.gather(moves.sends)  # first: the exchange starts sooner
             moves.to_wire()
-        except Exception as e:  # still take part in the exchange, then fail together
+        except BaseException as e:  # still take part in the exchange, then fail together
             error = e
         t = timer.mark("stage", t)
         works = _post_exchange(moves.wire_send, moves.wire_recv, group)
@@ -184,7 +200,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         try:  # local copies and backups while the exchange is in flight
             mover.gather(moves.local + moves.backup)
             scales = _save_scales(layers, mine.changed)
-        except Exception as e:
+        except BaseException as e:
             error = error or e
         t = timer.mark("stage", t)
 
@@ -197,6 +213,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 error, locked = error or e, False
             synchronize(device)
             t = timer.mark("wait", t)
+            error = error or (interrupted[0] if interrupted else None)
             touched = locked and error is None  # else nothing was written: nothing to restore
             if touched:
                 error = _write(model, layers, mine, new, rank, checkpoint, works, mover, moves,
@@ -205,14 +222,20 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
+            error = error or (interrupted[0] if interrupted else None)
             try:
                 failed = failed_ranks(error, group, comm)
             except Exception as e:  # the outcome vote itself failed (a rank left the group):
                 error, failed = error or e, "unknown"  # every outcome is possible: roll back here
+            if loaded_from is _UNSET:
+                model.__dict__.pop("checkpoint_path", None)
+            else:
+                model.__dict__["checkpoint_path"] = loaded_from
             if failed:
                 if touched:
                     _restore(model, layers, mover, moves, scales, mine, old, rank)
                 t = timer.mark("rollback", t)
+                _reraise_interrupt(error)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
                 raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled "
                                      f"back to the old placement{here}") from error
@@ -220,6 +243,13 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             timer.mark("outcome", t)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _reraise_interrupt(error) -> None:
+    """A KeyboardInterrupt (or SystemExit) that failed this rank, raised as it came once every
+    rank has voted and this one is whole again."""
+    if error is not None and not isinstance(error, Exception):
+        raise error
 
 
 def _post_exchange(send_bufs, recv_bufs, group) -> list:
@@ -250,15 +280,18 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
             wanted = mine.disk_experts()
             if wanted:
                 path = checkpoint if checkpoint is not None else model.checkpoint_path
+                if path is None:
+                    raise RebalanceError("experts come from disk, but the model has no checkpoint "
+                                         "path: pass checkpoint=")
                 rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
                 report.disk_report = rep
                 report.bytes_disk = rep.bytes_read
         t = timer.mark("disk", t)
-    except Exception as e:
+    except BaseException as e:
         error = e
     try:
         _wait(works)
-    except Exception as e:
+    except BaseException as e:
         error = error or e
     t = timer.mark("exchange", t)
     try:
@@ -272,7 +305,7 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
             if mine.changed:
                 clear_kernel_caches(model)
             synchronize(model)
-    except Exception as e:
+    except BaseException as e:
         error = e
     timer.mark("commit", t)
     return error

@@ -156,14 +156,15 @@ def _rebalance(sub) -> None:
                         "rank, else gloo on CPU)")
     r.add_argument("--mode", default="p2p", help="p2p, disk, hybrid, a comma list, or all")
     _model_options(r, "tiny")
-    r.add_argument("--kind", default="fp8", help="checkpoint kind: fp8, bf16 or fp8,bf16")
+    r.add_argument("--kind", default=None,
+                   help="checkpoint kind: fp8, bf16 or fp8,bf16 (default: fp8; with --checkpoint, its kind)")
     r.add_argument("--checkpoint", default=None, metavar="DIR",
                    help="use this checkpoint (default: write one to a temporary directory)")
     r.add_argument("--slots-per-rank", type=int, default=None,
                    help="physical expert slots per rank (default: ceil(experts / ranks) + 1)")
-    r.add_argument("--exclude-sources", type=int, nargs="*", default=[1], metavar="RANK",
+    r.add_argument("--exclude-sources", type=int, nargs="*", default=None, metavar="RANK",
                    help="hybrid only: ranks that may not serve experts by P2P, so experts only "
-                        "they hold come from disk")
+                        "they hold come from disk (default: rank 1, where there is one)")
     r.add_argument("--seed", type=int, default=0, help="seed of the checkpoint and the load")
     r.add_argument("--alpha", type=float, default=1.2, help="Zipf skew of the synthetic load")
     r.add_argument("--tokens", type=int, default=256,

@@ -127,7 +127,7 @@ def _validate(args, world: int, torchrun: bool) -> tuple[list, list, str]:
     if bad or not modes:
         raise Refused(f"unknown --mode {','.join(bad) or args.mode!r}; choose from "
                       f"{', '.join(MODES)}, a comma list, or all")
-    kinds = [k for k in args.kind.split(",") if k]
+    kinds = [k for k in (args.kind or "fp8").split(",") if k]
     if not kinds or any(k not in KINDS for k in kinds):
         raise Refused(f"--kind {args.kind!r}: choose fp8, bf16 or fp8,bf16")
     if world < 1:
@@ -143,7 +143,10 @@ def _validate(args, world: int, torchrun: bool) -> tuple[list, list, str]:
             raise Refused(f"--checkpoint {args.checkpoint}: no config.json there")
         from ..checkpoint import Checkpoint
 
-        cfg = Checkpoint(args.checkpoint).config
+        ckpt = Checkpoint(args.checkpoint)
+        if args.kind is not None and kinds != [ckpt.kind]:
+            raise Refused(f"--kind {args.kind}: --checkpoint {args.checkpoint} is {ckpt.kind}")
+        kinds, cfg = [ckpt.kind], ckpt.config
     else:
         try:
             cfg = MoEConfig.preset(args.preset, **({"num_layers": args.num_layers}
@@ -162,6 +165,8 @@ def _validate(args, world: int, torchrun: bool) -> tuple[list, list, str]:
         raise Refused(f"--tokens must be >= 1, got {args.tokens}")
     if not 0 <= args.forward_bound <= 1:
         raise Refused(f"--forward-bound must lie in [0, 1], got {args.forward_bound}")
+    if args.exclude_sources is None:  # the default: rank 1, where there is one
+        args.exclude_sources = [1] if world > 1 else []
     outside = [r for r in args.exclude_sources if not 0 <= r < world]
     if outside:
         raise Refused(f"--exclude-sources {outside}: ranks lie in [0, {world})")
