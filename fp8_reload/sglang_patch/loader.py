@@ -61,26 +61,36 @@ def get_weights_iterator(self, source, **kwargs):
 def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], bool]):
     """Yield (prefix + name, tensor) for the tensors `flt` selects, reading nothing else.
 
-    With an index file, shards holding no selected tensor are not even opened. The order
-    is sglang's reader's (`files` as given, each shard's names sorted), whatever the
-    index's: tensors that land in one slot (an expert's gate and up input scales) must be
-    written in the order of a fresh load.
+    With an index file, shards holding no selected tensor are not even opened. Each shard
+    opened is checked against the index: if it lacks a name the index gives it, or holds a
+    selected name the index does not list, or the index selects nothing at all, every shard's
+    own header decides instead, as for sglang's reader (which reads each shard's own names:
+    an index that leaves a tensor out or names another shard for it made a filtered reload
+    skip the tensor, or fail, where a fresh load reads it). The order is sglang's reader's
+    (`files` as given, each shard's names sorted): tensors that land in one slot (an
+    expert's gate and up input scales) must be written in the order of a fresh load.
     """
     from safetensors import safe_open
 
-    index = Path(folder) / "model.safetensors.index.json"
+    index = None if folder is None else Path(folder) / "model.safetensors.index.json"
     wanted: dict[str, list[str]] = {}
-    if index.is_file():
+    if index is not None and index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         by_name = {Path(f).name: f for f in files}
         for name, fname in weight_map.items():
             if fname in by_name and flt(prefix + name):
                 wanted.setdefault(by_name[fname], []).append(name)
-    else:
-        for f in files:
-            with safe_open(f, framework="pt", device="cpu") as st:
-                wanted[f] = [n for n in st.keys() if flt(prefix + n)]
-    for f in (f for f in files if f in wanted):
+    headers = not wanted  # (no index, or it selects nothing: what do the shards hold?)
+    for f in files:
+        if not headers and f not in wanted:
+            continue
+        with safe_open(f, framework="pt", device="cpu") as st:
+            held = [n for n in st.keys() if flt(prefix + n)]
+            if headers:
+                wanted[f] = held
+            elif sorted(held) != sorted(wanted[f]):  # the index is wrong about this shard
+                return (yield from read_matching_safetensors(None, files, prefix, flt))
+    for f in (f for f in files if wanted.get(f)):
         with safe_open(f, framework="pt", device="cpu") as st:
             for name in sorted(wanted[f]):
                 yield prefix + name, st.get_tensor(name)
@@ -88,30 +98,37 @@ def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], b
 
 @contextmanager
 def record_loaded_modules(model):
-    """Yield a set that collects the quantized modules whose parameters' loaders run."""
+    """Yield a set that collects the quantized modules whose parameters' loaders run.
+
+    A Parameter shared by several modules (an output head tied to the embedding) is wrapped
+    once, recording every module that owns it, and given back its own loader: wrapped once
+    per module, its loader came back as the first wrapper, one more layer every reload."""
     from sglang.srt.model_loader.loader import _modules_with_quant_method
 
     touched: set[int] = set()
-    wrapped = []
+    wrapped: dict[int, tuple] = {}  # id(param) -> (param, attr, its loader, its modules' ids)
     for module, _ in _modules_with_quant_method(model):
         for param in module._parameters.values():
             if param is None:
                 continue
+            if id(param) in wrapped:
+                wrapped[id(param)][3].append(id(module))
+                continue
             attr = next((a for a in ("_weight_loader", "weight_loader") if a in param.__dict__), None)
             if attr is None:
                 continue
-            loader = param.__dict__[attr]
+            loader, owners = param.__dict__[attr], [id(module)]
 
-            def recording(*args, _loader=loader, _module=module, **kw):
-                touched.add(id(_module))
+            def recording(*args, _loader=loader, _owners=owners, **kw):
+                touched.update(_owners)
                 return _loader(*args, **kw)
 
-            wrapped.append((param, attr, loader))
+            wrapped[id(param)] = (param, attr, loader, owners)
             param.__dict__[attr] = recording
     try:
         yield touched
     finally:
-        for param, attr, loader in wrapped:
+        for param, attr, loader, _ in wrapped.values():
             param.__dict__[attr] = loader
 
 
