@@ -173,7 +173,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             moves = plan_moves(mover, mine, comm)
         except BaseException as e:
             error = e
-        error = error or (interrupted[0] if interrupted else None)
+        error = error or _first(interrupted)
         try:
             failed = failed_ranks(error, group, comm)
         except Exception as e:  # a rank left the group: nothing was changed anywhere yet
@@ -213,7 +213,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 error, locked = error or e, False
             synchronize(device)
             t = timer.mark("wait", t)
-            error = error or (interrupted[0] if interrupted else None)
+            error = error or _first(interrupted)
             touched = locked and error is None  # else nothing was written: nothing to restore
             if touched:
                 error = _write(model, layers, mine, new, rank, checkpoint, works, mover, moves,
@@ -222,7 +222,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
-            error = error or (interrupted[0] if interrupted else None)
+            error = error or _first(interrupted)
             try:
                 failed = failed_ranks(error, group, comm)
             except Exception as e:  # the outcome vote itself failed (a rank left the group):
@@ -243,6 +243,11 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             timer.mark("outcome", t)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+def _first(held: list):
+    """The first Ctrl-C held back during the rebalance (as this rank's failure), or None."""
+    return held[0] if held else None
 
 
 def _reraise_interrupt(error) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
 from .originals import ACTIVE_FILTER, original
@@ -72,28 +72,28 @@ def read_matching_safetensors(folder, files, prefix: str, flt: Callable[[str], b
     """
     from safetensors import safe_open
 
-    index = None if folder is None else Path(folder) / "model.safetensors.index.json"
+    index = Path(folder) / "model.safetensors.index.json"
     wanted: dict[str, list[str]] = {}
-    if index is not None and index.is_file():
+    if index.is_file():
         weight_map = json.loads(index.read_text())["weight_map"]
         by_name = {Path(f).name: f for f in files}
         for name, fname in weight_map.items():
             if fname in by_name and flt(prefix + name):
                 wanted.setdefault(by_name[fname], []).append(name)
-    headers = not wanted  # (no index, or it selects nothing: what do the shards hold?)
-    for f in files:
-        if not headers and f not in wanted:
-            continue
-        with safe_open(f, framework="pt", device="cpu") as st:
-            held = [n for n in st.keys() if flt(prefix + n)]
-            if headers:
-                wanted[f] = held
-            elif sorted(held) != sorted(wanted[f]):  # the index is wrong about this shard
-                return (yield from read_matching_safetensors(None, files, prefix, flt))
-    for f in (f for f in files if wanted.get(f)):
-        with safe_open(f, framework="pt", device="cpu") as st:
-            for name in sorted(wanted[f]):
-                yield prefix + name, st.get_tensor(name)
+    with ExitStack() as opened:  # each shard opened once: checked, then read
+        shards = {}
+
+        def selected_in(f):
+            if f not in shards:
+                shards[f] = opened.enter_context(safe_open(f, framework="pt", device="cpu"))
+            return [n for n in shards[f].keys() if flt(prefix + n)]
+
+        trusted = bool(wanted) and all(sorted(selected_in(f)) == sorted(wanted[f]) for f in wanted)
+        if not trusted:  # no index, it selects nothing, or it is wrong about a shard it names
+            wanted = {f: selected_in(f) for f in files}
+        for f in files:
+            for name in sorted(wanted.get(f, ())):
+                yield prefix + name, shards[f].get_tensor(name)
 
 
 @contextmanager
