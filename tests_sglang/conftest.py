@@ -1,8 +1,8 @@
 """Real sglang 0.5.23 on the CPU: import bootstrap, runtime context, checkpoints.
 
 Runs in ``.venv-sglang`` (``bash .ci/setup-sglang``), never in the core
-environment. Two things sglang needs on a CPU machine are provided here, and
-nothing else is faked:
+environment. Two things sglang needs on a CPU machine are provided (by
+`cpu_bootstrap`, which spawned ranks import too), and nothing else is faked:
 
 * PyPI's torchvision is built against CUDA torch; beside the CPU torch its C
   ops are missing, and its import registers fake kernels for
@@ -23,12 +23,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
-_TV = torch.library.Library("torchvision", "DEF")  # kept alive for the session
-_TV.define("nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-_TV.define("qnms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
+from .cpu_bootstrap import cpu_scaled_fp8_quant_, publish_cpu_scheduler  # noqa: E402  (before sglang)
 
+# isort: split
 import sglang  # noqa: E402,F401  (fails the run loudly if sglang is missing)
 
 import fp8_reload as fr  # noqa: E402
@@ -48,12 +46,7 @@ def ckpts(tmp_path_factory):
 @pytest.fixture(scope="session", autouse=True)
 def server_args(ckpts):
     """sglang's process-wide config for a one-rank CPU 'scheduler', as a server publishes it."""
-    from sglang.srt.runtime_context import SpawnRanks, publish
-    from sglang.srt.server_args import ServerArgs
-
-    args = ServerArgs(model_path=str(ckpts[("fp8", 0)]), device="cpu", load_format="safetensors")
-    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0))
-    return args
+    return publish_cpu_scheduler(ckpts[("fp8", 0)])
 
 
 @pytest.fixture
@@ -70,20 +63,10 @@ def unpatched():
     yield
 
 
-def _cpu_scaled_fp8_quant(input, scale=None, num_token_padding=None,
-                          use_per_token_if_dynamic=False):
-    """Per-tensor ``scaled_fp8_quant`` in torch: x / scale saturated to e4m3, scale = amax / 448."""
-    assert num_token_padding is None and not use_per_token_if_dynamic
-    if scale is None:
-        scale = (input.abs().amax().float() / 448.0).clamp(min=1e-12).reshape(1)
-    q = (input.float() / scale.float()).clamp(-448.0, 448.0).to(torch.float8_e4m3fn)
-    return q, scale
-
-
 @pytest.fixture
 def cpu_scaled_fp8_quant(monkeypatch):
     """Give sglang's own processing a CPU ``scaled_fp8_quant`` (it has none) for this test."""
     from sglang.srt.layers.quantization import fp8, utils
 
-    monkeypatch.setattr(fp8, "scaled_fp8_quant", _cpu_scaled_fp8_quant)
-    monkeypatch.setattr(utils, "scaled_fp8_quant", _cpu_scaled_fp8_quant)
+    monkeypatch.setattr(fp8, "scaled_fp8_quant", cpu_scaled_fp8_quant_)
+    monkeypatch.setattr(utils, "scaled_fp8_quant", cpu_scaled_fp8_quant_)

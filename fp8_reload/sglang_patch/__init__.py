@@ -14,7 +14,8 @@ own classes, keeping the originals so `revert()` restores them exactly:
                                                 expert weights are staged, not stored
 ``Fp8MoEMethod.process_weights_after_loading``  per-tensor branch in place, only the experts
                                                 loaded since the last processing
-``Fp8MoEMethod.get_triton_quant_info``          contiguous ``[E]`` w13 scale, scalar input scales
+``Fp8MoEMethod.get_triton_quant_info``          contiguous ``[E]`` w13 scale; input scales: the
+                                                max of the per-expert ``[E]`` ones
 ``Fp8MoEMethod.apply``                          DeepGEMM: ``[E, 2]`` collapsed before the block
                                                 expansion
 ``WeightUpdater.update_weights_from_disk``      makes its ``weight_name_filter`` visible to the
@@ -26,7 +27,7 @@ own classes, keeping the originals so `revert()` restores them exactly:
 ==============================================  =============================================
 
 The tensor math is `fp8_reload.processing`'s (`requantize_w13_to_expert_max_`,
-`quantize_staged_experts_`, `merge_input_scales_`). Configurations the patch does not
+`quantize_staged_experts_`). Configurations the patch does not
 cover (block quant, FP4 experts, ROCm, the CPU engine, FlashInfer TRT-LLM and
 HPC-ops runners, non-gated experts) keep sglang's own code paths.
 

@@ -17,7 +17,7 @@ import torch
 from torch.nn import Parameter
 
 from ..kernels.scales import BLOCK, collapse_w13_scale, expand_block_scales
-from ..processing.ops import merge_input_scales_, quantize_staged_experts_, requantize_w13_to_expert_max_
+from ..processing.ops import quantize_staged_experts_, requantize_w13_to_expert_max_
 from ..quant import FP8_DTYPE
 from .originals import original
 
@@ -104,17 +104,6 @@ def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert
     return impl(self, param, loaded_weight, weight_name, shard_id, expert_id)
 
 
-def _per_expert_input_scale(layer, name: str) -> torch.Tensor:
-    """Per-expert static input scales as loaded (the Parameter holds their max)."""
-    buf_name = f"{name}_per_expert"
-    buf = getattr(layer, buf_name, None)
-    if buf is None:
-        param = getattr(layer, name)
-        buf = torch.ones(param.shape[0], dtype=torch.float32, device=param.device)
-        layer.register_buffer(buf_name, buf, persistent=False)
-    return buf
-
-
 # An FP8 checkpoint's expert: gate/up/down weights and weight scales; input scales too
 # when static (gate's and up's land in the same slot: either will do).
 _FP8_PARTS = {("w13_weight", "w1"), ("w13_weight", "w3"), ("w2_weight", "w2"),
@@ -146,12 +135,12 @@ def process_weights_after_loading(self, layer) -> None:
             _check_whole_fp8_experts(self, layer)
         slots = range(layer.num_local_experts) if first else sorted(layer._fp8r_loaded)
         experts = torch.tensor(list(slots), dtype=torch.long)
-        if self.quant_config.activation_scheme == "static":
-            if layer.w13_input_scale is None or layer.w2_input_scale is None:
-                raise ValueError("static activation scheme, but the layer has no input scales")
-            for name in ("w13_input_scale", "w2_input_scale"):
-                merge_input_scales_(getattr(layer, name).data, _per_expert_input_scale(layer, name),
-                                    experts)
+        # Static input scales stay each expert's own, as loaded: the kernels take their max
+        # (`get_triton_quant_info`), so an expert that EPLB moves to another rank takes its
+        # scale with it and both ranks' max follow.
+        if self.quant_config.activation_scheme == "static" and (
+                layer.w13_input_scale is None or layer.w2_input_scale is None):
+            raise ValueError("static activation scheme, but the layer has no input scales")
         requantize_w13_to_expert_max_(layer.w13_weight.data, layer.w13_weight_scale.data, experts,
                                       layer.intermediate_size_per_partition)
     else:

@@ -9,8 +9,8 @@ weights"; after a tensor it cannot load it raises again with the experts half wr
 next reload).
 
 `ExpertBackup` keeps, for one update call, what each patched layer had before its
-first loader call: the layer's small tensors whole (weight and input scales, the
-per-expert input-scale buffers), the w13 / w2 rows of each expert slot before it is
+first loader call: the layer's small tensors whole (weight and input scales), the
+w13 / w2 rows of each expert slot before it is
 first written, and the bookkeeping, all copied to host memory (a GPU needs no room
 for them; each slot costs one device-to-host copy). `restore()` puts all of it back in
 place (the same Parameter objects). Only the slots a reload writes are copied.
