@@ -122,9 +122,9 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
     with model.weights_lock.read():
         try:
             # tokens travel as the bytes of bf16 rows: another dtype would be misread, not refused
-            if x.dtype != torch.bfloat16 or x.dim() != 2:
-                raise DispatchError(f"the expert-parallel forward takes bf16 tokens [T, hidden], "
-                                    f"got {x.dtype} {tuple(x.shape)}")
+            if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != model.config.hidden_size:
+                raise DispatchError(f"the expert-parallel forward takes bf16 tokens [T, "
+                                    f"{model.config.hidden_size}], got {x.dtype} {tuple(x.shape)}")
             block = moe_block(model, layer_id)
             placement = _placement_of(model, rank, world)
             weights, ids = block.gate(x) if routing is None else routing
@@ -133,11 +133,14 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
             dest = slot // placement.slots_per_rank
             order = torch.argsort(dest, stable=True)
             counts = torch.bincount(dest, minlength=world)
-            fingerprint, problem = placement.fingerprint(), None
+            fingerprint, lid, problem = placement.fingerprint(), int(layer_id), None
         except Exception as e:  # refused below, on every rank: none may wait for this one
-            counts, fingerprint, problem = torch.zeros(world, dtype=torch.long), 0, e
+            counts, fingerprint, lid, problem = torch.zeros(world, dtype=torch.long), 0, -1, e
+        # what every rank must agree on travels with the counts: placement, layer, width
         header = torch.stack([counts.cpu(), torch.full((world,), fingerprint),
-                              torch.full((world,), int(problem is None))], 1)
+                              torch.full((world,), int(problem is None)),
+                              torch.full((world,), lid),
+                              torch.full((world,), model.config.hidden_size)], 1)
         theirs = torch.empty_like(header).to(comm)
         dist.all_to_all_single(theirs, header.to(comm), group=group)
         theirs = theirs.cpu()
@@ -214,6 +217,10 @@ def _refuse_unless_agreed(headers: torch.Tensor, problem, layer_id: int) -> None
     if len(set(headers[:, 1].tolist())) > 1:
         raise DispatchError(f"expert-parallel forward of layer {layer_id} refused: the ranks hold "
                             "different placements (a rebalance ran on some ranks only?)")
+    for column, what in ((3, "layers"), (4, "hidden sizes")):
+        if len(set(headers[:, column].tolist())) > 1:
+            raise DispatchError(f"expert-parallel forward of layer {layer_id} refused: the ranks "
+                                f"run different {what} ({headers[:, column].tolist()} by rank)")
 
 
 class _Timer:

@@ -46,7 +46,10 @@ class Placement:
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
-        object.__setattr__(self, "table", torch.as_tensor(self.table, dtype=torch.long).cpu().contiguous())
+        # its own copy: a caller's tensor edited later must not change a placement in use
+        object.__setattr__(self, "table", torch.tensor(self.table, dtype=torch.long, device="cpu")
+                           if not isinstance(self.table, torch.Tensor) else
+                           self.table.detach().to("cpu", torch.long, copy=True).contiguous())
         self.validate()
 
     def __getstate__(self):  # derived values may live on a GPU: never pickle them
@@ -123,6 +126,15 @@ class Placement:
             for i in (held == 0).any(1).nonzero().flatten().tolist():
                 missing = (held[i] == 0).nonzero().flatten().tolist()
                 raise ValueError(f"layer {self.layers[i]}: experts {missing} have no replica")
+
+    def check_fits(self, config) -> None:
+        """ValueError unless this placement is one of `config`'s experts and MoE layers (a
+        slot of an expert the checkpoint lacks would keep whatever its memory held)."""
+        moe = list(config.moe_layers)
+        if self.num_experts != config.num_experts or sorted(self.layers) != sorted(moe):
+            raise ValueError(f"the placement places {self.num_experts} experts in MoE layers "
+                             f"{list(self.layers)}; the checkpoint has {config.num_experts} experts "
+                             f"in MoE layers {moe}")
 
     # ----- queries -----
     @property

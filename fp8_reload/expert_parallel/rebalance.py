@@ -157,19 +157,13 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         new, mode, excluded = agree(old, new, mode, exclude_sources, group, comm, problem)
         t = timer.mark("agree", t, sync=False)
         report.mode = mode
-        try:  # every rank has the same inputs, so every rank fails here alike
-            mine = RebalancePlan.for_rank(old, new, mode, excluded, rank)
-        except ValueError as e:
-            raise RebalanceError(f"cannot plan the rebalance: {e}; nothing was changed") from e
-        report.slots_changed = mine.slots_changed
-        report.experts_local, report.experts_p2p, report.experts_disk = (
-            mine.count("local"), mine.count("peer"), mine.count("disk"))
-        report.experts_sent = sum(len(v) for v in mine.sends.values())
-        t = timer.mark("plan", t, sync=False)
-
+        # Planning allocates every buffer: a rank that fails here (whatever the error) would
+        # leave its peers waiting in the exchange, so all vote first.
         error: BaseException | None = None
-        try:  # every buffer is allocated here: a rank that cannot would leave its peers
-            mover = RowMover(layers, device)  # waiting in the exchange, so all vote first
+        try:
+            mine = _plan(old, new, mode, excluded, rank, report)
+            t = timer.mark("plan", t, sync=False)
+            mover = RowMover(layers, device)
             moves = plan_moves(mover, mine, comm)
         except BaseException as e:
             error = e
@@ -180,6 +174,8 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             error, failed = error or e, "unknown"
         if failed:
             _reraise_interrupt(error)
+            if isinstance(error, _PlanError):  # the same inputs on every rank: the same error
+                raise RebalanceError(str(error)) from error.__cause__
             here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
             raise RebalanceError(f"rebalance failed on rank(s) {failed} while laying out its "
                                  f"buffers; nothing was changed{here}") from error
@@ -190,10 +186,14 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         except BaseException as e:  # still take part in the exchange, then fail together
             error = e
         t = timer.mark("stage", t)
-        works = _post_exchange(moves.wire_send, moves.wire_recv, group)
-        report.bytes_sent = moves.payload(moves.sends, mover)
-        report.bytes_received = moves.payload(moves.received, mover)
-        report.bytes_local = moves.local_bytes
+        works = []
+        try:  # (a rank that cannot post leaves its peers' transfers to the group's timeout)
+            works = _post_exchange(moves.wire_send, moves.wire_recv, group)
+            report.bytes_sent = moves.payload(moves.sends, mover)
+            report.bytes_received = moves.payload(moves.received, mover)
+            report.bytes_local = moves.local_bytes
+        except BaseException as e:
+            error = error or e
         t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
 
         scales = None
@@ -211,7 +211,10 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 locked = True
             except RuntimeError as e:  # called from inside a forward of this model
                 error, locked = error or e, False
-            synchronize(device)
+            try:
+                synchronize(device)
+            except BaseException as e:
+                error = error or e
             t = timer.mark("wait", t)
             error = error or _first(interrupted)
             touched = locked and error is None  # else nothing was written: nothing to restore
@@ -232,17 +235,59 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             else:
                 model.__dict__["checkpoint_path"] = loaded_from
             if failed:
-                if touched:
-                    _restore(model, layers, mover, moves, scales, mine, old, rank)
+                broken = _roll_back(model, layers, mover, moves, scales, mine, old, rank, touched,
+                                    error, group, comm)
                 t = timer.mark("rollback", t)
                 _reraise_interrupt(error)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
-                raise RebalanceError(f"rebalance failed on rank(s) {failed}; every rank rolled "
-                                     f"back to the old placement{here}") from error
+                outcome = ("every rank rolled back to the old placement" if not broken else
+                           "this rank rolled back; the group failed, so the others' outcome is "
+                           "unknown" if broken == "unknown" else
+                           f"rank(s) {broken} could not roll back: their weights are undefined "
+                           "(reload them fully); the others rolled back to the old placement")
+                raise RebalanceError(f"rebalance failed on rank(s) {failed}; {outcome}{here}"
+                                     ) from error
             model.placement = new
             timer.mark("outcome", t)
     report.seconds["total"] = time.perf_counter() - t_start
     return report
+
+
+class _PlanError(ValueError):
+    """The placements cannot be planned (alike on every rank)."""
+
+
+def _plan(old: Placement, new: Placement, mode: str, excluded, rank: int,
+          report: RebalanceReport) -> RebalancePlan:
+    """This rank's plan, its counts into `report`."""
+    try:
+        mine = RebalancePlan.for_rank(old, new, mode, excluded, rank)
+    except ValueError as e:
+        raise _PlanError(f"cannot plan the rebalance: {e}; nothing was changed") from e
+    report.slots_changed = mine.slots_changed
+    report.experts_local, report.experts_p2p, report.experts_disk = (
+        mine.count("local"), mine.count("peer"), mine.count("disk"))
+    report.experts_sent = sum(len(v) for v in mine.sends.values())
+    return mine
+
+
+def _roll_back(model, layers, mover, moves, scales, mine, old: Placement, rank: int,
+               touched: bool, error, group, comm):
+    """Every rank restores what it wrote, then says whether it could: a rank that could not
+    is marked (`weights_undefined`: it votes no to the next rebalance, and a full reload
+    repairs it). The ranks that could not, agreed on by all; empty when every rank is whole."""
+    undone = None
+    if touched:
+        try:
+            _restore(model, layers, mover, moves, scales, mine, old, rank)
+        except BaseException as e:
+            undone = e
+            model.weights_undefined = (f"a failed rebalance ({type(error).__name__}: {error}) "
+                                       f"could not roll back ({type(e).__name__}: {e})")
+    try:
+        return failed_ranks(undone, group, comm)
+    except Exception:  # (the group is gone: this rank knows only itself)
+        return [rank] if undone is not None else "unknown"
 
 
 def _first(held: list):

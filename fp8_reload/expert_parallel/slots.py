@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from ..checkpoint import Checkpoint
 from ..errors import ReloadError
 from ..layers import FP8MoEModel, FusedMoE
 from ..reload import load_model
@@ -23,7 +24,9 @@ class RebalanceError(ReloadError):
 
 def load_rank_model(path, placement: Placement, rank: int, device="cpu",
                     processing: str = "fixed") -> FP8MoEModel:
-    """A fresh load of `rank`'s share of the model under `placement`."""
+    """A fresh load of `rank`'s share of the model under `placement` (one of the checkpoint's
+    experts and MoE layers: else ValueError, before anything is loaded)."""
+    placement.check_fits(Checkpoint(path).config)
     model = load_model(path, device=device, processing=processing, **placement.model_kwargs(rank))
     model.placement = placement
     model.ep_rank = rank

@@ -1,0 +1,180 @@
+"""Review s26 of the expert-parallel paths (an attack on real gloo ranks). Each case failed
+before its fix:
+
+* a `Placement` kept the caller's table tensor: editing it afterwards (to build the next
+  request) changed the placement a model held, under a stale fingerprint: wrong experts in the
+  EP forward (calc_diff 0.25) and a next rebalance that hung;
+* a rollback whose own restore failed left that rank half moved and unmarked, every rank
+  reported "every rank rolled back", and the next rebalance shipped the wrong rows by P2P;
+* tokens of another width with the caller's routing killed the peer process in gloo; ranks
+  running different layers computed garbage without an error;
+* a MemoryError in one rank's planning, or an error while recording the exchange's bytes,
+  left the peers waiting in a collective until the group's timeout;
+* `load_rank_model` loaded a placement of 10 experts on an 8-expert checkpoint (two slots of
+  uninitialised memory) and placements of other layers;
+* `fp8-reload rebalance --no-check` printed "OK: every rank equals a fresh load" and wrote
+  ``equals_fresh_load: false``; a truncated ``--checkpoint`` exited 1 from inside the ranks and
+  one without an MoE layer with a torch error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+
+import pytest
+import torch
+
+import fp8_reload as fr
+from fp8_reload.expert_parallel import Placement, load_rank_model
+from fp8_reload.tools import cli
+
+from .test_review_ep import _bounded
+from .test_review_ep_s25 import SLOTS, E, _swap
+
+LAYERS = (1, 2)
+
+
+def test_a_placement_keeps_its_own_table():
+    start = Placement.round_robin(LAYERS, E, 2, SLOTS)
+    t = start.table.clone()
+    new = Placement(LAYERS, E, 2, SLOTS, t)
+    kept, fingerprint = new.table.clone(), new.fingerprint()
+    t[:, [0, 1]] = t[:, [1, 0]]  # the caller builds its next request from the same tensor
+    assert torch.equal(new.table, kept)
+    assert new.fingerprint() == fingerprint == Placement(LAYERS, E, 2, SLOTS, kept).fingerprint()
+
+
+def _restore_fails_on_rank1(rank, world, device, path):
+    import fp8_reload.expert_parallel.rows as rows
+    from fp8_reload.expert_parallel import rebalance
+
+    start = Placement.round_robin(LAYERS, E, world, SLOTS)
+    model = load_rank_model(path, start, rank, device)
+    scatter = rows.RowMover.scatter
+    if rank == 1:
+        calls = []
+
+        def failing(self, runs):  # the local copies land; the commit fails, then the restore
+            calls.append(1)
+            if len(calls) == 1:
+                return scatter(self, runs)
+            raise RuntimeError(f"planted scatter failure #{len(calls)}")
+        rows.RowMover.scatter = failing
+    outcome = []
+    for _ in range(2):
+        try:
+            rebalance(model, _swap(start) if rank == 0 else None, mode="p2p")
+            outcome.append("ok")
+        except fr.ReloadError as e:
+            outcome.append(str(e))
+        rows.RowMover.scatter = scatter
+    return {"outcome": outcome, "undefined": getattr(model, "weights_undefined", None),
+            "old placement": model.placement == start}
+
+
+def test_a_rank_that_cannot_roll_back_is_marked_and_named_and_the_next_rebalance_refused(ckpts):
+    results = _bounded(_restore_fails_on_rank1, 2, str(ckpts["fp8", 0]))
+    for rank, r in enumerate(results):
+        first, second = r["outcome"]
+        assert "rank(s) [1] could not roll back: their weights are undefined" in first, r
+        assert "ranks disagree" in second and "undefined weights" in second, r
+        assert r["old placement"], r
+        assert (r["undefined"] is not None) == (rank == 1), r
+    assert "planted scatter failure #3" in results[1]["undefined"]
+
+
+def _hostile_forwards(rank, world, device, path):
+    from fp8_reload.expert_parallel import DispatchError, ep_moe_forward
+
+    model = load_rank_model(path, Placement.round_robin(LAYERS, E, world, SLOTS), rank, device)
+    hidden = model.config.hidden_size
+    routing = (torch.full((16, 2), 0.5), torch.zeros(16, 2, dtype=torch.long))
+    cases = {"width": (1, torch.randn(16, hidden + 8 * rank).bfloat16(), routing),
+             "layer": (1 + rank, torch.randn(16, hidden).bfloat16(), None)}
+    out = {}
+    for name, (layer, x, how) in cases.items():
+        try:
+            ep_moe_forward(model, layer, x, how)
+            out[name] = "computed"
+        except DispatchError as e:
+            out[name] = str(e)
+    return out
+
+
+def test_the_ep_forward_refuses_another_width_or_layer_on_every_rank(ckpts):
+    for r in _bounded(_hostile_forwards, 2, str(ckpts["fp8", 0])):
+        assert "rank(s) [1] cannot dispatch" in r["width"], r
+        assert "the ranks run different layers ([1, 2] by rank)" in r["layer"], r
+
+
+def _fails_before_the_commit(rank, world, device, path):
+    from fp8_reload.expert_parallel import rebalance
+    from fp8_reload.state import compare_states, snapshot
+
+    rb = sys.modules["fp8_reload.expert_parallel.rebalance"]
+    start = Placement.round_robin(LAYERS, E, world, SLOTS)
+    model = load_rank_model(path, start, rank, device)
+    before = snapshot(model)
+    plan, payload = rb.RebalancePlan.for_rank, rb.Moves.payload
+
+    def out_of_memory(*args):
+        raise MemoryError("planted in planning")
+
+    def broken(*args):
+        raise RuntimeError("planted in the exchange's byte count")
+    out = {}
+    for name, target, attr, planted in (("plan", rb.RebalancePlan, "for_rank", out_of_memory),
+                                        ("payload", rb.Moves, "payload", broken)):
+        if rank == 1:
+            setattr(target, attr, planted)
+        try:
+            rebalance(model, _swap(start) if rank == 0 else None, mode="p2p")
+            out[name] = "ok"
+        except fr.ReloadError as e:
+            out[name] = str(e)
+        rb.RebalancePlan.for_rank, rb.Moves.payload = plan, payload
+        out[name + " diffs"] = compare_states(before, snapshot(model))
+    return out
+
+
+def test_a_failure_before_the_commit_on_one_rank_fails_every_rank_without_waiting(ckpts):
+    results = _bounded(_fails_before_the_commit, 2, str(ckpts["fp8", 0]), deadline=120)
+    for r in results:
+        assert "failed on rank(s) [1] while laying out its buffers; nothing was changed" in r["plan"], r
+        assert "failed on rank(s) [1]; every rank rolled back" in r["payload"], r
+        assert r["plan diffs"] == r["payload diffs"] == [], r
+
+
+@pytest.mark.parametrize("change", [dict(num_experts=10), dict(num_experts=6), dict(layers=(1,)),
+                                    dict(layers=(1, 2, 5))])
+def test_load_rank_model_refuses_a_placement_of_other_experts_or_layers(ckpts, change):
+    layers, experts = change.get("layers", LAYERS), change.get("num_experts", E)
+    placement = Placement.round_robin(layers, experts, 2, max(SLOTS, experts))
+    with pytest.raises(ValueError, match=r"the checkpoint has 8 experts in MoE layers \[1, 2\]"):
+        load_rank_model(ckpts["fp8", 0], placement, 0)
+
+
+def test_rebalance_without_checks_says_so(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert cli.main(["rebalance", "--world-size", "1", "--no-check", "--json", str(out)]) == 0
+    assert "NOT CHECKED (--no-check)" in capsys.readouterr().out
+    assert [r["equals_fresh_load"] for r in json.loads(out.read_text())] == [None]
+
+
+def _truncated(src, dst):
+    shutil.copytree(src, dst)
+    shard = max(dst.glob("*.safetensors"), key=os.path.getsize)
+    os.truncate(shard, os.path.getsize(shard) - 100)
+    return dst
+
+
+def test_rebalance_refuses_a_broken_or_dense_checkpoint_in_one_line(ckpts, tmp_path, capsys):
+    dense = fr.write_checkpoint(tmp_path / "dense", fr.MoEConfig.preset("tiny", num_layers=1))
+    for path, why in ((_truncated(ckpts["fp8", 0], tmp_path / "cut"), "truncated"),
+                      (dense, "the model has no MoE layer")):
+        assert cli.main(["rebalance", "--checkpoint", str(path)]) == 2
+        err = [line for line in capsys.readouterr().err.splitlines() if not line.startswith("[")]
+        assert len(err) == 1 and why in err[0], err
