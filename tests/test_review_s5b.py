@@ -17,9 +17,9 @@ from fp8_reload.expert_parallel import (
     load_rank_model,
     moe_layer_map,
 )
-from fp8_reload.expert_parallel.rebalance import _restore, _save_scales
 from fp8_reload.expert_parallel.slots import refresh_merged_input_scales
 from fp8_reload.expert_parallel.transfer import RowMover, plan_moves
+from fp8_reload.expert_parallel.undo import restore, save_scales
 from fp8_reload.kernels.scales import clear_kernel_caches
 from fp8_reload.reload import generate_weight_name_filter, update_weights_from_disk
 from fp8_reload.state import compare_states, snapshot
@@ -76,7 +76,7 @@ def _simulate(ckpt, old, new, mode, fail_at=None, fail_rank=None):
         s["mover"].gather(s["moves"].sends)
     for s in st:
         s["mover"].gather(s["moves"].local + s["moves"].backup)
-        s["scales"] = _save_scales(s["layers"], s["mine"].changed)
+        s["scales"] = save_scales(s["layers"], s["mine"].changed)
     for r, s in enumerate(st):  # the exchange
         for p, buf in s["moves"].send_bufs.items():
             dst = st[p]["moves"].recv_bufs[r]
@@ -112,7 +112,7 @@ def _simulate(ckpt, old, new, mode, fail_at=None, fail_rank=None):
     out = []
     for r, s in enumerate(st):
         if failed:
-            _restore(s["model"], s["layers"], s["mover"], s["moves"], s["scales"], s["mine"],
+            restore(s["model"], s["layers"], s["mover"], s["moves"], s["scales"], s["mine"],
                      old, r)
         else:
             s["model"].placement = new

@@ -8,7 +8,10 @@ and moving experts between ranks.
     slots      a rank's share of the model; a slot's state packed as one row of bytes
     plan       what every rank changes and where each new expert comes from
     agree      every rank takes rank 0's request, or every rank refuses it (no rank left waiting)
+    transfer   a rebalance's buffers and runs of rows, laid out once for all layers
+    rows       slot rows moved between Parameters and those buffers
     rebalance  the collective transaction: agree, stage, exchange / read, commit, roll back
+    undo       what a failed rebalance puts back, and which ranks could not
     group      process groups: joining, communication devices, warm-up
     launch     spawning ranks (or joining under torchrun), a persistent pool of ranks
 """

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from ..device import current_cuda, synchronize
 from ..interrupts import sigint_deferred
 from ..kernels.scales import clear_kernel_caches
-from ..layers import FP8MoEModel, FusedMoE
+from ..layers import FP8MoEModel
 from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
 from .agree import agree
 from .group import comm_device, failed_ranks, global_rank
@@ -56,6 +56,7 @@ from .placement import Placement
 from .plan import RebalancePlan
 from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
 from .transfer import Moves, RowMover, Run, plan_moves
+from .undo import roll_back, save_scales
 
 _UNSET = object()  # (a model that has no `checkpoint_path` at all)
 
@@ -199,7 +200,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
         scales = None
         try:  # local copies and backups while the exchange is in flight
             mover.gather(moves.local + moves.backup)
-            scales = _save_scales(layers, mine.changed)
+            scales = save_scales(layers, mine.changed)
         except BaseException as e:
             error = error or e
         t = timer.mark("stage", t)
@@ -235,8 +236,8 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             else:
                 model.__dict__["checkpoint_path"] = loaded_from
             if failed:
-                broken = _roll_back(model, layers, mover, moves, scales, mine, old, rank, touched,
-                                    error, group, comm)
+                broken = roll_back(model, layers, mover, moves, scales, mine, old, rank, touched,
+                                    error, group, comm, vote=failed != "unknown")
                 t = timer.mark("rollback", t)
                 _reraise_interrupt(error)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
@@ -269,25 +270,6 @@ def _plan(old: Placement, new: Placement, mode: str, excluded, rank: int,
         mine.count("local"), mine.count("peer"), mine.count("disk"))
     report.experts_sent = sum(len(v) for v in mine.sends.values())
     return mine
-
-
-def _roll_back(model, layers, mover, moves, scales, mine, old: Placement, rank: int,
-               touched: bool, error, group, comm):
-    """Every rank restores what it wrote, then says whether it could: a rank that could not
-    is marked (`weights_undefined`: it votes no to the next rebalance, and a full reload
-    repairs it). The ranks that could not, agreed on by all; empty when every rank is whole."""
-    undone = None
-    if touched:
-        try:
-            _restore(model, layers, mover, moves, scales, mine, old, rank)
-        except BaseException as e:
-            undone = e
-            model.weights_undefined = (f"a failed rebalance ({type(error).__name__}: {error}) "
-                                       f"could not roll back ({type(e).__name__}: {e})")
-    try:
-        return failed_ranks(undone, group, comm)
-    except Exception:  # (the group is gone: this rank knows only itself)
-        return [rank] if undone is not None else "unknown"
 
 
 def _first(held: list):
@@ -366,34 +348,3 @@ def write_slots(mover: RowMover, runs: list[Run]) -> None:
     row): between two batches a layer is half moved, which the weights lock hides from
     forwards (the tests pause here to check it)."""
     mover.scatter(runs)
-
-
-def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
-    return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
-
-
-def _save_scales(layers, changed) -> tuple[list[torch.Tensor], torch.Tensor | None]:
-    """The merged input scales of the changed layers, copied by one `cat`."""
-    params = [p for lid in changed for p in _merged_scales(layers[lid])]
-    saved = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
-    return params, saved
-
-
-def _restore(model, layers, mover: RowMover, moves: Moves, scales, mine, old: Placement,
-             rank: int) -> None:
-    with torch.no_grad():
-        for lid, layer in layers.items():
-            layer.expert_slots = old.local_slots(lid, rank)
-        mover.scatter(moves.restore)
-        params, saved = scales if scales is not None else ([], None)
-        off = 0
-        for p in params:
-            p.data.copy_(saved[off:off + p.numel()].view_as(p))
-            off += p.numel()
-        for lid in mine.changed:
-            layer = layers[lid]
-            layer.loaded_experts.clear()
-            layer.staged.clear()
-            layer.weights_version += 1
-    clear_kernel_caches(model)
-    synchronize(model)

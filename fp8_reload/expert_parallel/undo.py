@@ -1,0 +1,67 @@
+"""What a failed rebalance puts back: each rank's changed slots and merged input scales
+(`restore`), then a vote naming the ranks that could not (`roll_back`)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..device import synchronize
+from ..kernels.scales import clear_kernel_caches
+from ..layers import FusedMoE
+from .group import failed_ranks
+from .placement import Placement
+from .transfer import Moves, RowMover
+
+
+def _merged_scales(layer: FusedMoE) -> list[torch.Tensor]:
+    return [p for p in (layer.w13_input_scale, layer.w2_input_scale) if p is not None]
+
+
+def save_scales(layers, changed) -> tuple[list[torch.Tensor], torch.Tensor | None]:
+    """The merged input scales of the changed layers, copied by one `cat`."""
+    params = [p for lid in changed for p in _merged_scales(layers[lid])]
+    saved = torch.cat([p.detach().reshape(-1) for p in params]) if params else None
+    return params, saved
+
+
+def restore(model, layers, mover: RowMover, moves: Moves, scales, mine, old: Placement,
+            rank: int) -> None:
+    """Every changed slot's rows and the saved scales back in place, the old slot maps."""
+    with torch.no_grad():
+        for lid, layer in layers.items():
+            layer.expert_slots = old.local_slots(lid, rank)
+        mover.scatter(moves.restore)
+        params, saved = scales if scales is not None else ([], None)
+        off = 0
+        for p in params:
+            p.data.copy_(saved[off:off + p.numel()].view_as(p))
+            off += p.numel()
+        for lid in mine.changed:
+            layer = layers[lid]
+            layer.loaded_experts.clear()
+            layer.staged.clear()
+            layer.weights_version += 1
+    clear_kernel_caches(model)
+    synchronize(model)
+
+
+def roll_back(model, layers, mover, moves, scales, mine, old: Placement, rank: int,
+              touched: bool, error, group, comm, vote: bool):
+    """Every rank restores what it wrote, then says whether it could: a rank that could not
+    is marked (`weights_undefined`: it votes no to the next rebalance, and a full reload
+    repairs it). The ranks that could not, agreed on by all (`vote`: no vote once the group
+    failed); empty when every rank is whole, "unknown" when only this one is known whole."""
+    undone = None
+    if touched:
+        try:
+            restore(model, layers, mover, moves, scales, mine, old, rank)
+        except BaseException as e:
+            undone = e
+            model.weights_undefined = (f"a failed rebalance ({type(error).__name__}: {error}) "
+                                       f"could not roll back ({type(e).__name__}: {e})")
+    try:
+        if vote:
+            return failed_ranks(undone, group, comm)
+    except Exception:  # (the group is gone: this rank knows only itself)
+        pass
+    return [rank] if undone is not None else "unknown"
