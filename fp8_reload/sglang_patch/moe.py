@@ -4,8 +4,9 @@ Replaces ``Fp8MoEMethod.create_weights`` (bf16 checkpoints: FP8 storage from the
 start), ``FusedMoE._weight_loader_impl`` (records the slots written; stages bf16
 experts), ``Fp8MoEMethod.process_weights_after_loading`` (in place, only the
 experts loaded since the last processing), ``get_triton_quant_info``
-(contiguous ``[E]`` scale) and ``apply`` (DeepGEMM: ``[E, 2]`` collapsed before
-the block expansion). Layers this does not cover keep sglang's own code.
+(contiguous ``[E]`` scale), ``apply`` (DeepGEMM: ``[E, 2]`` collapsed before
+the block expansion) and ``FusedMoEWithLoRA._forward_with_lora`` (that quant info
+taken for every forward, not once). Layers this does not cover keep sglang's own code.
 """
 
 from __future__ import annotations
@@ -179,6 +180,17 @@ def get_triton_quant_info(self, layer):
     return dataclasses.replace(
         info, w13_scale=collapse_w13_scale(layer.w13_weight_scale),
         a13_scale=None if a13 is None else a13.max(), a2_scale=None if a2 is None else a2.max())
+
+
+def forward_with_lora(self, hidden_states, topk_output, lora_info, **kwargs):
+    """sglang's LoRA wrapper keeps the Triton quant info it got when it was built; for a
+    patched layer that holds copies (the contiguous ``[E]`` w13 scale, the input scales'
+    max) a reload or an EPLB move would not reach: taken anew for every forward."""
+    base = self.base_layer
+    if self._lora_runner_backend.is_triton() and handles(base.quant_method, base):
+        self._quant_info = base.quant_method.get_triton_quant_info(base)
+    return original("FusedMoEWithLoRA", "_forward_with_lora")(
+        self, hidden_states, topk_output, lora_info, **kwargs)
 
 
 def deepgemm_quant_info(method, layer):

@@ -54,6 +54,7 @@ def targets(parts=PARTS) -> list[tuple[type, str, object]]:
     ``reload`` the scoped reading and post-processing of filtered reloads."""
     from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
     from sglang.srt.layers.quantization.fp8 import Fp8MoEMethod
+    from sglang.srt.lora.layers import FusedMoEWithLoRA
     from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -68,6 +69,7 @@ def targets(parts=PARTS) -> list[tuple[type, str, object]]:
             (Fp8MoEMethod, "get_triton_quant_info", moe.get_triton_quant_info),
             (Fp8MoEMethod, "apply", moe.apply),
             (FusedMoE, "_weight_loader_impl", moe.weight_loader_impl),
+            (FusedMoEWithLoRA, "_forward_with_lora", moe.forward_with_lora),
         ]
     if "reload" in parts:
         out += [
@@ -107,7 +109,7 @@ def revert() -> None:
     """Restore every patched attribute to the object sglang defined.
 
     Layers built while patched keep what the patch gave them (FP8 storage of
-    bf16 checkpoints, per-expert input-scale buffers).
+    bf16 checkpoints, ``[E, 2]`` w13 scales, per-expert input scales).
     """
     for (cls, attr), original in ORIGINALS.items():
         setattr(cls, attr, original)
