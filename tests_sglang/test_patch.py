@@ -17,7 +17,7 @@ def test_apply_then_revert_restores_the_originals_exactly(unpatched):
     before = _current()
     names = sglang_patch.apply()
     try:
-        assert len(names) == len(before) == 8
+        assert len(names) == len(before) == 9
         now = _current()
         assert all(now[k] is not before[k] for k in before)  # every target replaced
         assert sglang_patch.apply() == names  # idempotent
@@ -44,7 +44,7 @@ def test_parts_patch_only_their_half(unpatched):
     assert _current() == before
     sglang_patch.apply(parts=("moe",))
     try:
-        assert len(sglang_patch.apply()) == 8  # the rest added; the moe half not patched twice
+        assert len(sglang_patch.apply()) == 9  # the rest added; the moe half not patched twice
     finally:
         sglang_patch.revert()
     assert _current() == before
@@ -64,7 +64,7 @@ def test_unknown_version_is_refused_and_nothing_is_patched(unpatched, monkeypatc
         sglang_patch.apply()
     assert not sglang_patch.is_applied() and _current() == before
     try:
-        assert len(sglang_patch.apply(force=True)) == 8  # force skips only the version check
+        assert len(sglang_patch.apply(force=True)) == 9  # force skips only the version check
     finally:
         sglang_patch.revert()
 
