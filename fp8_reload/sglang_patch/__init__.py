@@ -18,6 +18,8 @@ own classes, keeping the originals so `revert()` restores them exactly:
                                                 max of the per-expert ``[E]`` ones
 ``Fp8MoEMethod.apply``                          DeepGEMM: ``[E, 2]`` collapsed before the block
                                                 expansion
+``FusedMoEWithLoRA._forward_with_lora``         LoRA on a patched layer: the quant info above
+                                                taken for every forward, not once
 ``WeightUpdater.update_weights_from_disk``      makes its ``weight_name_filter`` visible to the
                                                 two loader functions below for the call; a
                                                 filtered call that fails restores the experts
