@@ -60,10 +60,11 @@ def expert_tensor_names(path: Path, experts: Iterable[int]) -> list[str]:
             if any(n.startswith(w) for w in wanted)]
 
 
-def load_experts(moe, sources: dict[int, Path]) -> int:
-    """Load expert e from checkpoint ``sources[e]`` through ``param.weight_loader``."""
+def load_experts(moe, sources: dict[int, Path], slot_of: dict[int, int] | None = None) -> int:
+    """Load expert e from checkpoint ``sources[e]`` through ``param.weight_loader``, into
+    local slot ``slot_of[e]`` (default: slot e; a layer holding a rank's share of experts)."""
     params = dict(moe.named_parameters())
-    mapping = expert_mapping(moe.num_experts)
+    mapping = expert_mapping(max(sources) + 1 if slot_of else moe.num_experts)
     n = 0
     for path in sorted(set(sources.values())):
         names = expert_tensor_names(path, [e for e, p in sources.items() if p == path])
@@ -73,7 +74,8 @@ def load_experts(moe, sources: dict[int, Path]) -> int:
                     local = name.replace(weight_name, param_name).rsplit("experts.", 1)[1]
                     param = params[local]
                     param.weight_loader(param, tensor, f"{EXPERTS_PREFIX}.{local}",
-                                        shard_id=shard_id, expert_id=expert_id)
+                                        shard_id=shard_id,
+                                        expert_id=expert_id if slot_of is None else slot_of[expert_id])
                     n += 1
                     break
     return n

@@ -20,7 +20,7 @@ import dataclasses
 
 import pytest
 
-from fp8_reload import Checkpoint, sglang_patch
+from fp8_reload import sglang_patch
 from fp8_reload.expert_parallel.launch import run_ranks
 
 from .conftest import CFG
@@ -28,7 +28,7 @@ from .sgl_model import (
     EXPERTS_PREFIX,
     byte_diffs,
     changed_since,
-    expert_mapping,
+    load_experts,
     make_experts,
     read_tensors,
     snapshot,
@@ -40,16 +40,10 @@ RELOADED_SLOT = 1
 
 
 def _load_slots(moe, slots: dict[int, tuple]) -> None:
-    """Slot s <- logical expert e of checkpoint p, for ``slots[s] = (p, e)``."""
-    params = dict(moe.named_parameters())
-    mapping = expert_mapping(CFG.num_experts)
-    for slot, (path, expert) in slots.items():
-        names = [n for n in Checkpoint(path).names if n.startswith(f"{EXPERTS_PREFIX}.{expert}.")]
-        for name, tensor in read_tensors(path, names):
-            param_name, weight_name, _, shard_id = next(m for m in mapping if m[1] in name)
-            local = name.replace(weight_name, param_name).rsplit("experts.", 1)[1]
-            params[local].weight_loader(params[local], tensor, f"{EXPERTS_PREFIX}.{local}",
-                                        shard_id=shard_id, expert_id=slot)
+    """Slot s <- logical expert e of checkpoint p, for ``slots[s] = (p, e)`` (a rank's
+    experts are distinct)."""
+    load_experts(moe, {e: path for path, e in slots.values()},
+                 slot_of={e: s for s, (_, e) in slots.items()})
 
 
 def _rank_layer(kind, placement, rank, path, override=None):
@@ -121,8 +115,9 @@ def _rank(rank, world, device, model_path, cases):
 def _placements(path) -> tuple[list[int], list[int]]:
     """Rank-contiguous placement, then one where the expert with the largest down-projection
     input scale changes rank (so both ranks' layer max moves) and rank 1 permutes two slots."""
-    w2 = [float(dict(read_tensors(path, [f"{EXPERTS_PREFIX}.{e}.down_proj.input_scale"]))
-                [f"{EXPERTS_PREFIX}.{e}.down_proj.input_scale"]) for e in range(CFG.num_experts)]
+    names = [f"{EXPERTS_PREFIX}.{e}.down_proj.input_scale" for e in range(CFG.num_experts)]
+    scales = dict(read_tensors(path, names))
+    w2 = [float(scales[n]) for n in names]
     old = list(range(CFG.num_experts))
     top = max(old, key=w2.__getitem__)
     other = LOCAL if top < LOCAL else 0

@@ -17,7 +17,15 @@ from fp8_reload.kernels.scales import collapse_w13_scale
 from fp8_reload.testing import calc_diff
 
 from .conftest import CFG
-from .sgl_model import byte_diffs, changed_since, fresh_experts, load_experts, snapshot
+from .sgl_model import (
+    EXPERTS_PREFIX,
+    byte_diffs,
+    changed_since,
+    fresh_experts,
+    load_experts,
+    read_tensors,
+    snapshot,
+)
 
 E = CFG.num_experts
 
@@ -111,6 +119,11 @@ def test_patched_first_load_matches_upstream(cpu_scaled_fp8_quant, ckpts):
     for name in ("w13_input_scale", "w2_input_scale"):  # per expert; the kernels take the max
         assert getattr(fixed, name).shape == (E,)
         assert torch.equal(getattr(fixed, name).max(), getattr(upstream, name))
+    # each expert's own, as sglang's loader wrote it (w13: up_proj's, read after gate_proj's)
+    for name, proj in (("w13_input_scale", "up_proj"), ("w2_input_scale", "down_proj")):
+        names = [f"{EXPERTS_PREFIX}.{e}.{proj}.input_scale" for e in range(E)]
+        loaded = dict(read_tensors(path, names))
+        assert torch.equal(getattr(fixed, name), torch.stack([loaded[n].float() for n in names]))
     assert byte_diffs(fixed, upstream, ["w2_weight"]) == []
     w_fixed = fixed.w13_weight.float() * fixed.w13_weight_scale[:, :1, None]
     w_up = upstream.w13_weight.float() * upstream.w13_weight_scale[:, None, None]

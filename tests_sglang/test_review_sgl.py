@@ -39,7 +39,7 @@ def test_filtered_reload_reads_in_sglang_order(patched, cpu_scaled_fp8_quant, se
                                                tmp_path):
     """gate_proj and up_proj input scales both land in w13_input_scale[e] (the last one read
     wins, in sglang too): a filtered reload must read a shard's tensors in the order sglang's
-    startup load does, or the merged input scale differs from a fresh load."""
+    startup load does, or the input scale differs from a fresh load."""
     base = _up_before_gate(ckpts[("fp8", 0)], tmp_path / "base")
     donor = _up_before_gate(ckpts[("fp8", 1)], tmp_path / "donor")
     model = served(server_args, "fp8", base)

@@ -125,6 +125,9 @@ def ep_moe_forward(model: FP8MoEModel, layer_id: int, x: torch.Tensor,
             if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != model.config.hidden_size:
                 raise DispatchError(f"the expert-parallel forward takes bf16 tokens [T, "
                                     f"{model.config.hidden_size}], got {x.dtype} {tuple(x.shape)}")
+            if getattr(model, "weights_undefined", None):  # (a failed restore: never served)
+                raise DispatchError(f"rank {rank}'s weights are undefined "
+                                    f"({model.weights_undefined}); reload it fully")
             block = moe_block(model, layer_id)
             placement = _placement_of(model, rank, world)
             weights, ids = block.gate(x) if routing is None else routing

@@ -27,7 +27,9 @@ Each rank holds its share of the experts (a `Placement`, loaded with
 5. **Finish together.** Ranks all-gather their outcome. If any rank failed,
    every rank restores its changed slots (from the send buffers that hold
    their old rows, the rest from a backup taken before the commit) and raises
-   `RebalanceError`; the model and placement are as before.
+   `RebalanceError`; the model and placement are as before. A rank whose
+   restore fails too is marked ``weights_undefined`` and named in every rank's
+   error (`undo`).
 
 After a successful rebalance each rank's state equals a fresh `load_model` of
 that rank under the new placement, bit for bit (tests check it on every rank).
@@ -56,7 +58,7 @@ from .placement import Placement
 from .plan import RebalancePlan
 from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
 from .transfer import Moves, RowMover, Run, plan_moves
-from .undo import roll_back, save_scales
+from .undo import roll_back_together, save_scales
 
 _UNSET = object()  # (a model that has no `checkpoint_path` at all)
 
@@ -91,14 +93,20 @@ class RebalanceReport:
 class _Timer:
     """Adds the time since `t0` to phase `name`. With `detail`, after the device finished
     (unless `sync` is False: posting asynchronous work); by default it never waits, so a
-    phase's time is what the host spent queueing it, and only the total is the device's."""
+    phase's time is what the host spent queueing it, and only the total is the device's.
+    A device fault the wait reveals is kept in `error` (this rank's failure at the next
+    vote), never raised here: raised, it left this rank half moved and its peers waiting."""
 
     def __init__(self, seconds: dict, device: torch.device, detail: bool):
         self.seconds, self.device, self.detail = seconds, device, detail
+        self.error: BaseException | None = None
 
     def mark(self, name: str, t0: float, sync: bool = True) -> float:
         if sync and self.detail:
-            synchronize(self.device)
+            try:
+                synchronize(self.device)
+            except BaseException as e:
+                self.error = self.error or e
         t = time.perf_counter()
         self.seconds[name] = self.seconds.get(name, 0.0) + t - t0
         return t
@@ -113,7 +121,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
     are used (other ranks may pass ``new=None``). `checkpoint` (default: the path
     the model was loaded from) serves the experts taken from disk. Returns this
     rank's report. Raises `RebalanceError` on every rank if any rank failed,
-    after every rank restored its old state.
+    after every rank restored its old state (the error names a rank that could not).
 
     Forwards of this rank keep running while the plan is made and the outgoing
     experts are packed; from the first write (disk reads, new slot maps) to the
@@ -217,7 +225,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             except BaseException as e:
                 error = error or e
             t = timer.mark("wait", t)
-            error = error or _first(interrupted)
+            error = error or timer.error or _first(interrupted)
             touched = locked and error is None  # else nothing was written: nothing to restore
             if touched:
                 error = _write(model, layers, mine, new, rank, checkpoint, works, mover, moves,
@@ -226,7 +234,7 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
                 with suppress(Exception):  # already failing: the first error is reported
                     _wait(works)
             t = time.perf_counter()
-            error = error or _first(interrupted)
+            error = error or timer.error or _first(interrupted)
             try:
                 failed = failed_ranks(error, group, comm)
             except Exception as e:  # the outcome vote itself failed (a rank left the group):
@@ -236,18 +244,14 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             else:
                 model.__dict__["checkpoint_path"] = loaded_from
             if failed:
-                broken = roll_back(model, layers, mover, moves, scales, mine, old, rank, touched,
-                                    error, group, comm, vote=failed != "unknown")
+                outcome = roll_back_together(model, layers, mover, moves, scales, mine, old, rank,
+                                             touched, error, group, comm, vote=failed != "unknown")
                 t = timer.mark("rollback", t)
                 _reraise_interrupt(error)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
-                outcome = ("every rank rolled back to the old placement" if not broken else
-                           "this rank rolled back; the group failed, so the others' outcome is "
-                           "unknown" if broken == "unknown" else
-                           f"rank(s) {broken} could not roll back: their weights are undefined "
-                           "(reload them fully); the others rolled back to the old placement")
-                raise RebalanceError(f"rebalance failed on rank(s) {failed}; {outcome}{here}"
-                                     ) from error
+                where = (f"on rank(s) {failed}" if failed != "unknown" else
+                         "(the ranks could not vote on its outcome)")
+                raise RebalanceError(f"rebalance failed {where}; {outcome}{here}") from error
             model.placement = new
             timer.mark("outcome", t)
     report.seconds["total"] = time.perf_counter() - t_start
@@ -326,6 +330,7 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
     except BaseException as e:
         error = error or e
     t = timer.mark("exchange", t)
+    error = error or timer.error
     try:
         if error is None:
             moves.from_wire()

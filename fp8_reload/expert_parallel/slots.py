@@ -19,7 +19,8 @@ from .placement import Placement
 
 
 class RebalanceError(ReloadError):
-    """A rebalance failed on some rank; every rank rolled back to the old placement."""
+    """A rebalance failed on some rank; every rank rolled back to the old placement, or the
+    message names the ranks that could not (marked ``weights_undefined``)."""
 
 
 def load_rank_model(path, placement: Placement, rank: int, device="cpu",

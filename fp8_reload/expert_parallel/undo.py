@@ -1,5 +1,5 @@
 """What a failed rebalance puts back: each rank's changed slots and merged input scales
-(`restore`), then a vote naming the ranks that could not (`roll_back`)."""
+(`restore`), then a vote naming the ranks that could not (`roll_back_together`)."""
 
 from __future__ import annotations
 
@@ -45,12 +45,12 @@ def restore(model, layers, mover: RowMover, moves: Moves, scales, mine, old: Pla
     synchronize(model)
 
 
-def roll_back(model, layers, mover, moves, scales, mine, old: Placement, rank: int,
-              touched: bool, error, group, comm, vote: bool):
-    """Every rank restores what it wrote, then says whether it could: a rank that could not
-    is marked (`weights_undefined`: it votes no to the next rebalance, and a full reload
-    repairs it). The ranks that could not, agreed on by all (`vote`: no vote once the group
-    failed); empty when every rank is whole, "unknown" when only this one is known whole."""
+def roll_back_together(model, layers, mover, moves, scales, mine, old: Placement, rank: int,
+                       touched: bool, error, group, comm, vote: bool) -> str:
+    """Every rank restores what it wrote (`touched`), then the ranks vote on whether they
+    could (`vote`: not once the group failed). A rank that could not is marked
+    (`weights_undefined`: it votes no to the next rebalance; a full reload repairs it).
+    Returns what this rank can say of the outcome."""
     undone = None
     if touched:
         try:
@@ -59,9 +59,17 @@ def roll_back(model, layers, mover, moves, scales, mine, old: Placement, rank: i
             undone = e
             model.weights_undefined = (f"a failed rebalance ({type(error).__name__}: {error}) "
                                        f"could not roll back ({type(e).__name__}: {e})")
-    try:
-        if vote:
-            return failed_ranks(undone, group, comm)
-    except Exception:  # (the group is gone: this rank knows only itself)
-        pass
-    return [rank] if undone is not None else "unknown"
+    broken = None
+    if vote:
+        try:
+            broken = failed_ranks(undone, group, comm)
+        except Exception:  # (the group failed: this rank knows only itself)
+            pass
+    if broken is None:
+        me = ("this rank could not roll back: its weights are undefined (reload it fully)"
+                 if undone is not None else "this rank rolled back to the old placement")
+        return f"{me}; the group failed, so the others' outcome is unknown"
+    if not broken:
+        return "every rank rolled back to the old placement"
+    return (f"rank(s) {broken} could not roll back: their weights are undefined (reload them "
+            "fully); the others rolled back to the old placement")

@@ -159,7 +159,8 @@ def _validate(args, world: int, torchrun: bool) -> tuple[list, list, str]:
                                                   if args.num_layers is not None else {}))
         except ValueError as e:
             raise Refused(f"--preset/--num-layers: {e}") from None
-        where = f"--num-layers {args.num_layers}"
+        where = (f"--preset {args.preset}" if args.num_layers is None else
+                 f"--num-layers {args.num_layers}")
     if not cfg.moe_layers:
         raise Refused(f"{where}: the model has no MoE layer (its first {cfg.first_dense_layers} "
                       f"layers are dense)")
