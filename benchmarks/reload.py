@@ -1,5 +1,5 @@
 """Reload: `update_weights_from_disk`, full and filtered, against upstream's scope
-and against the physical bound of reading the same bytes and copying them.
+and against a plain read and copy of the same bytes (the machine's limits are in `io`).
 
 Strategies of a filtered reload (all on a ``fixed``-mode model, so every one of
 them can run repeatedly; an ``upstream``-mode model cannot reload at all):
@@ -215,13 +215,14 @@ READ_THREADS = 8
 
 @synchronized
 class RawReadCopy(CheckpointSuite):
-    """The physical bound: read the same tensors and copy each into preallocated
-    device memory, nothing else (no planning, validation, backup, loader or
-    post-processing). Two readers:
+    """Issue 4's baseline: read the same tensors and copy each into preallocated device
+    memory, nothing else (no planning, validation, backup, loader or post-processing). Two
+    plain readers, a call and a copy per tensor; not the machine's limit (one pinned copy of
+    the checkpoint, `io.IOPaths` ``limit-h2d``, is: the reload streams and beats these):
 
     ``safetensors``  `safe_open(...).get_tensor` (memory-mapped) and a copy per tensor
     ``preadv``       `os.preadv` from 8 threads into one pinned host buffer (on CUDA),
-                     then one asynchronous copy per tensor: the best the host can do
+                     then one asynchronous copy per tensor
     """
 
     params = (PRESETS, KINDS, FRACTIONS + ["full"], ["safetensors", "preadv"])

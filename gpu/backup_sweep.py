@@ -69,7 +69,9 @@ def sweep(path: Path, values: list[int], rounds: int, reps: int, firsts: int) ->
             for _ in range(firsts):
                 io_paths.touch(files)
                 g["first"].append(wall(lambda: fr.update_weights_from_disk(model, path)))
-            fr.update_weights_from_disk(model, path)  # registered again for the next value
+            # at rest again, then registered again: the next value's repeated reloads are ones
+            io_paths.wait_settled(files)
+            fr.update_weights_from_disk(model, path)
     for v in values:
         g = got[v]
         rep, first = statistics.median(g["repeated"]), statistics.median(g["first"])

@@ -3,7 +3,7 @@
 Two levels:
 * in process: each benchmark's setup_cache, setup and one call for every
   parameter set, like `asv run --quick` without the process per benchmark;
-  checks the values make sense (bytes agree between reload and raw bound, each
+  checks the values make sense (bytes agree between reload and read+copy, each
   timed post-processing starts from the same state);
 * end to end: a real `asv run --python=same --quick` on the working tree,
   results file checked for failures (needs asv and a git checkout).

@@ -137,3 +137,20 @@ def test_a_filtered_reload_of_touched_files_reads_only_its_shards_headers(ckpts,
     ckpt = plan_module.open_checkpoint(model, path)
     wanted = {ckpt.weight_map[n] for n in ckpt.names if fr.generate_weight_name_filter(spec)(n)}
     assert set(read) == wanted and len(wanted) < len(ckpt.shard_files)
+
+
+def test_wait_settled_returns_once_touched_files_count_as_at_rest(tmp_path):
+    """The GPU scripts time "repeated" reloads after `touch`: only once the files are at rest
+    (audit s26: without the wait they timed reloads that re-read scales and re-checked values)."""
+    import os
+
+    from fp8_reload.checkpoint import files
+
+    f = tmp_path / "shard.safetensors"
+    f.write_bytes(b"x")
+    io_paths.wait_settled([str(f)])
+    assert files.settled(files.stamp(os.stat(f)))
+    io_paths.touch([str(f)])
+    assert not files.settled(files.stamp(os.stat(f)))
+    io_paths.wait_settled([str(f)])
+    assert files.settled(files.stamp(os.stat(f)))

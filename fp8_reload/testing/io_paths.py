@@ -9,7 +9,8 @@ number of bytes) and `page_cache_read` (16 threads of positional reads into one
 pinned buffer).
 
 `evict` drops files from the page cache (`posix_fadvise(DONTNEED)`) for cold runs;
-`resident_fraction` says how much of them is there (`mincore`).
+`resident_fraction` says how much of them is there (`mincore`); `touch` gives them new stamps
+(a first reload) and `wait_settled` waits until they count as at rest again.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import ctypes
 import importlib.util
 import mmap
 import os
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
 from ..checkpoint import Checkpoint
+from ..checkpoint.files import SETTLED_NS
 from ..reload.chunks import DIRECT_ALIGN
 
 LIBRARIES = {"instanttensor": "instanttensor", "fastsafetensors": "fastsafetensors",
@@ -46,6 +49,16 @@ def touch(files) -> None:
     for f in files:
         st = os.stat(f)
         os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 1000))
+
+
+def wait_settled(files) -> None:
+    """Sleep until every file last changed more than `SETTLED_NS` ago. A reload of a file
+    changed more recently reads its scales and checks its values again, as a first reload
+    does: a "repeated" reload timed sooner after `touch` is not one."""
+    newest = max((max(st.st_mtime_ns, st.st_ctime_ns) for st in map(os.stat, files)), default=0)
+    wait = newest + SETTLED_NS - time.time_ns()
+    if wait > 0:
+        time.sleep(wait / 1e9 + 0.05)
 
 
 def evict(files) -> None:

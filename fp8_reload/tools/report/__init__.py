@@ -5,10 +5,11 @@ Reads asv's results directory (``results/asv``: ``benchmarks.json`` plus
 pandas frame (one row per benchmark x parameter set), then derives:
 
 * the headline figures with their targets (filtered vs upstream-style reload,
-  full reload vs the raw read+copy bound, fixed vs upstream post-processing,
+  full reload vs a plain read+copy baseline and vs one pinned host-to-device copy of the
+  checkpoint (judged only when measured in the same run), fixed vs upstream post-processing,
   reload device-memory peak), as Markdown and CSV with the machine's info;
 * ``reload_vs_fraction.png``: reload time against the share of experts reloaded,
-  fixed vs scan-all vs upstream-style vs the raw bound;
+  fixed vs scan-all vs upstream-style vs the plain read+copy;
 * ``forward_tflops.png``: MoE layer forward throughput per backend against tokens.
 
 asv compares times (lower is better); throughput is computed only here.

@@ -19,8 +19,8 @@ STRIP = 0.45  # inches below the panels for the legend
 BACKEND_COLORS = {"torch": "tab:blue", "triton": "tab:orange", "deep_gemm": "tab:green",
                   "deep_gemm_masked": "tab:red"}
 STYLES = {"fixed": ("tab:green", "o"), "scan-all": ("tab:orange", "s"),
-          "upstream-style": ("tab:red", "^"), "raw read+copy (safetensors)": ("tab:gray", "x"),
-          "raw read+copy (preadv)": ("black", "+")}
+          "upstream-style": ("tab:red", "^"), "plain read+copy (safetensors)": ("tab:gray", "x"),
+          "plain read+copy (preadv)": ("black", "+")}
 
 
 def percent(share: float) -> str:
@@ -76,7 +76,7 @@ def reload_series(sub, num_experts: int) -> dict[str, list[tuple[float, float]]]
                                                          r["value"]))
         elif r["benchmark"].endswith("RawReadCopy.time_read_copy") and r["experts"] != "full":
             reader = r.get("reader") if isinstance(r.get("reader"), str) else "safetensors"
-            series.setdefault(f"raw read+copy ({reader})", []).append(
+            series.setdefault(f"plain read+copy ({reader})", []).append(
                 (fraction_value(r["experts"], num_experts), r["value"]))
     return {name: sorted(pts) for name, pts in series.items() if len(pts) >= 2}
 
@@ -113,7 +113,7 @@ def plot_reload(df, path: Path) -> Path | None:
             ax.axhline(full * 1e3, color="tab:green", ls="--", lw=1, label="full reload")
         if raws:
             ax.axhline(min(raws.values()) * 1e3, color="tab:gray", ls=":", lw=1,
-                       label="raw read+copy bound, whole checkpoint")
+                       label="plain read+copy, whole checkpoint")
         ax.set_xscale("log")
         ax.set_yscale("log")
         xs = sorted({x for pts in series.values() for x, _ in pts})

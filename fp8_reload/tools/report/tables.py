@@ -17,12 +17,14 @@ if TYPE_CHECKING:
 
 # Speed targets of the H200 run.
 TARGET_FILTERED_SPEEDUP = 20.0
-TARGET_FULL_VS_RAW = 0.70
+TARGET_FULL_VS_RAW = 0.70  # issue 4's goal, against its plain read+copy baseline
+TARGET_FULL_VS_H2D = 0.85  # issue 13's: a repeated full reload against the pinned copy
+H2D_LIMIT = "IOPaths.time_move"
 TARGET_PROCESS_SPEEDUP = 10.0
 # The device-memory bound the measured code had (benchmarks/reload.py records it).
 MEMORY_BOUND = "DeviceMemoryBound.track_bound_bytes"
 HEADLINE_CLASSES = {"FilteredReload", "FullReload", "RawReadCopy", "ProcessMoELayer", "ReloadDeviceMemory",
-                    "DeviceMemoryBound"}
+                    "DeviceMemoryBound"}  # (the pinned-copy limit, IOPaths, is judged by its own run)
 
 
 def model_device_bytes(spec: str, kind: str = "fp8") -> int:
@@ -120,10 +122,13 @@ def headline(df) -> pd.DataFrame:
                 if full and raws:
                     reader, raw = min(raws.items(), key=lambda kv: kv[1])
                     r = raw / full
-                    add("full reload vs raw read+copy bound", round(100 * r, 1), "% of bound",
-                        f">= {100 * TARGET_FULL_VS_RAW:g}%", r >= TARGET_FULL_VS_RAW,
-                        f"full reload {_fmt_time(full)}, raw bound {_fmt_time(raw)} ({reader}; "
-                        + ", ".join(f"{k} {_fmt_time(v)}" for k, v in sorted(raws.items())) + ")")
+                    add("full reload vs plain read+copy (issue 4's baseline)", round(100 * r, 1),
+                        "% of baseline", f">= {100 * TARGET_FULL_VS_RAW:g}%", r >= TARGET_FULL_VS_RAW,
+                        f"full reload {_fmt_time(full)}, baseline {_fmt_time(raw)} ({reader}; "
+                        + ", ".join(f"{k} {_fmt_time(v)}" for k, v in sorted(raws.items())) + ")"
+                        + ("; the reload is faster: a baseline, not a bound" if r > 1 else ""))
+                if full:
+                    add("full reload vs pinned host-to-device copy", *_vs_h2d(mdf, p, full))
                 pu = pick(mdf, "ProcessMoELayer.time_process", **p, impl="upstream")
                 pf = pick(mdf, "ProcessMoELayer.time_process", **p, impl="fixed")
                 p1 = pick(mdf, "ProcessMoELayer.time_process", **p, impl="fixed-1-expert")
@@ -135,6 +140,27 @@ def headline(df) -> pd.DataFrame:
                         f"fixed with 1 expert loaded {_fmt_time(p1)}")
                 add("reload device-memory peak above the model", *_memory(mdf, p, preset, kind))
     return pd.DataFrame(rows)
+
+
+def _vs_h2d(mdf, p: dict, full: float) -> tuple:
+    """(value, unit, target, met, detail): the repeated full reload against one pinned copy
+    of the checkpoint to the device, judged only when both come from the same run (commit)."""
+    target = f">= {100 * TARGET_FULL_VS_H2D:g}%"
+    sel = mdf[mdf["benchmark"].str.endswith(H2D_LIMIT)]
+    for k, v in {**p, "io": "limit-h2d", "scope": "full", "cache": "warm"}.items():
+        sel = sel[sel[k] == v] if k in sel.columns else sel.iloc[0:0]
+    sel = sel.dropna(subset=["value"])
+    reload_commit = mdf[mdf["benchmark"].str.endswith("FullReload.time_reload")]["commit"]
+    if sel.empty:
+        return None, "% of limit", target, None, "no pinned-copy limit measured (benchmarks/io.py)"
+    h2d, commit = float(sel["value"].iloc[0]), sel["commit"].iloc[0]
+    if commit not in set(reload_commit):
+        return (None, "% of limit", target, None,
+                f"not judged: the limit ({_fmt_time(h2d)}) is from another run ({commit[:8]}); "
+                "run the reload and I/O groups together")
+    r = h2d / full
+    return (round(100 * r, 1), "% of limit", target, r >= TARGET_FULL_VS_H2D,
+            f"full reload {_fmt_time(full)}, one pinned copy of the checkpoint {_fmt_time(h2d)}")
 
 
 def _memory(mdf, p: dict, preset: str, kind: str) -> tuple:
