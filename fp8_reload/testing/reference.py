@@ -149,3 +149,49 @@ def forward_with_routing(model: FP8MoEModel, x: torch.Tensor
     return y, routing
 
 
+
+
+def checkpoint_expert_diff(model: FP8MoEModel, path) -> tuple[float, str]:
+    """The worst `calc_diff`, over every projection of every expert in every slot, between
+    the model's dequantized weights and the checkpoint's own tensors read with safetensors
+    (an FP8 checkpoint's bytes times its scale; a bf16 one's values). Nothing of this package
+    reads them, so a loader or processing bug that a fresh load shares (the gate's other
+    checks compare against one) still shows. NaN counts as the worst. Returns (worst, where)."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    from .numeric import calc_diff
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    where_is = (json.loads(index.read_text())["weight_map"] if index.is_file() else
+                dict.fromkeys(safe_open(str(path / "model.safetensors"), "pt").keys(),
+                              "model.safetensors"))
+    shards: dict = {}
+
+    def read(name: str) -> torch.Tensor:
+        f = where_is[name]
+        if f not in shards:
+            shards[f] = safe_open(str(path / f), "pt")
+        return shards[f].get_tensor(name).float()
+
+    worst, at = 0.0, "no expert"
+    for _, layer in model.moe_layers():
+        inter = layer.intermediate_size
+        for e in range(model.config.num_experts):
+            prefix = f"model.layers.{layer.layer_id}.mlp.experts.{e}."
+            want = {}
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                w = read(f"{prefix}{proj}.weight")
+                scale = f"{prefix}{proj}.weight_scale"
+                want[proj] = w * read(scale) if scale in where_is else w
+            for slot in layer.local_slots(e):
+                w13, w2 = dequantized_expert(layer, slot)
+                for proj, got in (("gate_proj", w13[:inter]), ("up_proj", w13[inter:]),
+                                  ("down_proj", w2)):
+                    d = calc_diff(got.cpu(), want[proj])
+                    if not d <= worst:  # (NaN too)
+                        worst, at = d, f"layer {layer.layer_id} expert {e} {proj}"
+    return worst, at

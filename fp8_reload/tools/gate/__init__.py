@@ -10,6 +10,8 @@ every requested MoE forward backend:
     fresh.state    (1) every parameter and buffer equals, bit for bit, a fresh load of
                    what the model should now hold (after a filtered reload from the
                    other checkpoint: a fresh load of the correspondingly mixed checkpoint)
+    ckpt.experts   every expert, dequantized, vs the checkpoint's own tensors read with
+                   safetensors (a bug a fresh load shares shows here)
     fresh.forward  (1) the forward output equals the fresh load's, bitwise or within
                    the backend's bound
     ref.model      (2) model output vs a float32 reference forward of the same
@@ -17,7 +19,7 @@ every requested MoE forward backend:
     ref.moe        (2) each MoE layer's backend output vs the float32 reference on the
                    same input and routing, worst layer, `calc_diff`
     identity       (3) every Parameter is the object it was after the load, with the
-                   same loader attributes, and every parameter a reload reaches through
+                   same loader attributes and storage, and every parameter a reload reaches through
                    `weight_loader` has one
     untouched      (4) experts outside the filter and every non-expert module kept
                    their bytes (n/a for the load and full reloads)

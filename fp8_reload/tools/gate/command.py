@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ..usage import progress
 from .report import format_report, write_json
+from .result import GateError
 from .run import run_gate
 
 
@@ -15,6 +16,9 @@ def command(args) -> int:
                       num_layers=args.num_layers, workdir=args.workdir, log=progress)
     print(format_report(result))
     if args.json:
-        write_json(result, args.json)
+        try:
+            write_json(result, args.json)
+        except OSError as e:  # the gate ran, its record did not land: cannot do as asked
+            raise GateError(f"--json {args.json}: cannot write it ({e})") from None
         print(f"wrote {args.json}")
     return 0 if result.passed else 1

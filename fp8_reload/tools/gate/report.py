@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
-from .result import Check, GateResult, StepResult
+from .result import CHECKPOINT_BOUND, Check, GateResult, StepResult
 
-_COLS = (("reload", "reload"), ("fresh.state", "state"), ("fresh.forward", "fwd=fresh"),
+_COLS = (("reload", "reload"), ("fresh.state", "state"), ("ckpt.experts", "=ckpt"),
+         ("fresh.forward", "fwd=fresh"),
          ("ref.model", "ref.model"), ("ref.moe", "ref.moe"), ("identity", "identity"),
          ("untouched", "untouched"))
 
@@ -15,7 +17,8 @@ _COLS = (("reload", "reload"), ("fresh.state", "state"), ("fresh.forward", "fwd=
 def _cell(c: Check) -> str:
     if c.status in ("n/a", "skip"):
         return "-" if c.status == "n/a" else "skip"
-    numeric = c.name in ("ref.model", "ref.moe") or (c.name == "fresh.forward" and c.bound)
+    numeric = c.name in ("ckpt.experts", "ref.model", "ref.moe") or (c.name == "fresh.forward"
+                                                                     and c.bound)
     value = f"{c.measured:.1e}" if numeric and c.measured is not None else ""
     if c.status == "pass":
         return value or "ok"
@@ -73,7 +76,10 @@ def format_report(result: GateResult) -> str:
     for b in result.backends:
         for k in result.kinds:
             steps = [s for s in result.steps if s.backend == b and s.kind == k]
-            cells = []
+            vals = [c.measured for s in steps for c in s.checks
+                    if c.name == "ckpt.experts" and c.measured is not None]
+            cells = [f"ckpt.experts {max(vals):.3g}" if vals else "ckpt.experts -"]
+            cells[-1] += f" (bound {CHECKPOINT_BOUND:g})"
             for name in ("fresh.forward", "ref.model", "ref.moe"):
                 vals = [c.measured for s in steps for c in s.checks
                         if c.name == name and c.measured is not None]
@@ -91,5 +97,16 @@ def format_report(result: GateResult) -> str:
     return "\n".join(out)
 
 
+def _finite(obj):
+    """JSON has no NaN or infinity: a measurement that is not finite is written as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite(v) for v in obj]
+    return obj
+
+
 def write_json(result: GateResult, path) -> None:
-    Path(path).write_text(json.dumps(result.to_json(), indent=1) + "\n")
+    Path(path).write_text(json.dumps(_finite(result.to_json()), indent=1, allow_nan=False) + "\n")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from ...checkpoint import mix_checkpoints, write_checkpoint
+from ...checkpoint import Checkpoint, mix_checkpoints, write_checkpoint
 from ...config import MoEConfig
 from ...device import resolve_device
 from ...errors import BackendUnavailable, DeviceUnavailableError, ReloadError
@@ -24,8 +24,13 @@ from ...processing import MODES
 from ...reload import generate_weight_name_filter, load_model, update_weights_from_disk
 from ...state import Snapshot, bitwise_equal, compare_states, missing_loaders, snapshot
 from ...testing.numeric import calc_diff
-from ...testing.reference import forward_with_routing, reference_forward, reference_moe
-from .result import CHECKS, Check, GateError, GateResult, StepResult
+from ...testing.reference import (
+    checkpoint_expert_diff,
+    forward_with_routing,
+    reference_forward,
+    reference_moe,
+)
+from .result import CHECKPOINT_BOUND, CHECKS, Check, GateError, GateResult, StepResult
 from .script import Provenance, ScriptStep, default_script
 
 NUM_TOKENS = 64
@@ -116,6 +121,7 @@ class _Sequence:
         model.set_backend(self.backend)
         self._probe(model)
         at_load = snapshot(model)
+        self.storage = _storage(model)
         prov = Provenance(0)
         steps = [self.check(0, "load s0", model, prov, at_load, at_load, None, time.perf_counter())]
         before = at_load
@@ -160,6 +166,7 @@ class _Sequence:
         diffs = compare_states(snapshot(fresh), now)
         checks.append(Check("fresh.state", "fail" if diffs else "pass", len(diffs), 0,
                             _diff_summary(diffs) if diffs else "bitwise equal to a fresh load"))
+        checks.append(self._checkpoint(model, self.expected_path(prov)))
 
         y, routing, y_err = _forward(model, g.x)
         yf, _, yf_err = _forward(fresh, g.x)
@@ -170,6 +177,8 @@ class _Sequence:
         bad = [d for d in compare_states(at_load, now, identity=True)
                if d.endswith("replaced") or "loader attributes" in d]
         bad += [f"{n}: no weight_loader" for n in missing_loaders(model)]
+        bad += [f"{n}: moved to new memory (a captured CUDA graph reads the old)"
+                for n, ptr in _storage(model).items() if self.storage.get(n, ptr) != ptr]
         checks.append(Check("identity", "fail" if bad else "pass", len(bad), 0,
                             _diff_summary(bad) if bad else "same Parameters, loaders kept"))
 
@@ -185,6 +194,17 @@ class _Sequence:
         if g.device.startswith("cuda"):
             torch.cuda.empty_cache()
         return StepResult(self.backend, self.kind, index, label, checks, time.perf_counter() - t0)
+
+    def _checkpoint(self, model, path) -> Check:
+        """The experts against the checkpoint itself, read without this package: what a
+        fresh load shares with the reload (the loaders, processing) cannot hide there."""
+        try:
+            d, where = checkpoint_expert_diff(model, path)
+        except Exception as e:
+            return Check("ckpt.experts", "fail", None, CHECKPOINT_BOUND,
+                         f"reading the checkpoint raised {_fail_text(e)}")
+        return Check("ckpt.experts", "pass" if d <= CHECKPOINT_BOUND else "fail", d,
+                     CHECKPOINT_BOUND, f"worst {where}: calc_diff {d:.3g} vs bound {CHECKPOINT_BOUND:g}")
 
     def _fresh_forward(self, y, y_err, yf, yf_err) -> Check:
         bound = self.bound.fresh_forward
@@ -226,13 +246,18 @@ class _Sequence:
                     w, ids = block.gate(xb)
                     got = run_moe(block.experts, xb, w, ids, backend=self.backend)
                     d = calc_diff(got, reference_moe(block.experts, xb, w, ids))
-                    if d >= worst:
+                    if not d <= worst:  # (a NaN layer is the worst)
                         worst, where = d, f"layer {block.experts.layer_id}"
         except Exception as e:
             return [model_check, Check("ref.moe", "fail", None, b.ref_moe,
                                        f"MoE forward raised {_fail_text(e)}")]
         return [model_check, Check("ref.moe", "pass" if worst <= b.ref_moe else "fail", worst,
                                    b.ref_moe, f"worst {where}: calc_diff {worst:.3g} vs bound {b.ref_moe:g}")]
+
+
+def _storage(model) -> dict[str, int]:
+    """Where each Parameter's storage lives: a reload in place leaves every one where it was."""
+    return {n: p.untyped_storage().data_ptr() for n, p in model.named_parameters()}
 
 
 def _forward(model, x):
@@ -270,10 +295,14 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
     except DeviceUnavailableError as e:
         raise GateError(str(e)) from None
     kinds = [k for part in ([kinds] if isinstance(kinds, str) else kinds) for k in part.split(",") if k]
+    if not kinds:
+        raise GateError(f"--kind names no checkpoint kind; choose from {', '.join(KINDS)}")
     for k in kinds:
         if k not in KINDS:
             raise GateError(f"unknown checkpoint kind {k!r}; choose from {', '.join(KINDS)}")
-    requested_all = backends in (None, "all") or "all" in list(backends)
+    asked = [n for part in ([backends] if isinstance(backends, str) else backends or ())
+             for n in str(part).split(",") if n]
+    requested_all = not asked or "all" in asked
     names = resolve_backends(backends)
     try:
         bounds = bounds if isinstance(bounds, Bounds) else load_bounds(bounds)
@@ -310,10 +339,15 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
                 except BackendUnavailable as e:
                     if not requested_all:
                         raise GateError(f"MoE backend {name!r} cannot run here: {e}") from None
-                    result.skipped_backends[name] = str(e)
-                    log(f"[gate] skipping backend {name!r}: {e}")
+                    ran = any(s.backend == name for s in result.steps)  # (its other kinds count)
+                    key = f"{name} ({', '.join(kinds[kinds.index(kind):])})" if ran else name
+                    result.skipped_backends[key] = str(e)
+                    log(f"[gate] skipping backend {key!r}: {e}")
                     break
-        result.backends = [n for n in names if n not in result.skipped_backends]
+        result.backends = [n for n in names if any(s.backend == n for s in result.steps)]
+        if not result.steps:
+            raise GateError("no backend could run here: " + "; ".join(
+                f"{n}: {why}" for n, why in result.skipped_backends.items()))
     finally:
         torch.set_num_threads(threads)
         if tmp is not None:
@@ -323,8 +357,19 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
 
 
 def _checkpoint(root: Path, cfg: MoEConfig, kind: str, seed: int) -> Path:
+    """The gate's checkpoint of `kind` and `seed`, written once. One a kept --workdir holds is
+    used only if it says it is that checkpoint (else the reloads from "the other seed" could
+    load the same bytes, and every check would pass for nothing)."""
     path = root / f"{cfg.name}-{cfg.num_layers}L-{kind}-s{seed}"
     if (path / "config.json").exists():  # a kept --workdir: checkpoints are deterministic
+        try:
+            ckpt = Checkpoint(path)
+            made = ckpt.hf_config.get("fp8_reload")
+        except Exception as e:
+            raise GateError(f"{path}: unreadable ({e}); remove it or use another --workdir") from None
+        if made != {"kind": kind, "seed": seed, "fill": "seeded"} or ckpt.config != cfg:
+            raise GateError(f"{path} holds another checkpoint ({made}), not the gate's {kind} seed "
+                            f"{seed} of this preset: remove it or use another --workdir")
         return path
     return write_checkpoint(path, cfg, seed=seed, kind=kind)
 

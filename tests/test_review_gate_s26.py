@@ -1,0 +1,130 @@
+"""Review s26 of the accuracy gate (an attack on `fp8-reload gate`). Each case failed before
+its fix:
+
+* a loader bug that a fresh load shares (gate and up of every expert swapped, so each MoE layer
+  computed silu(up) * gate, calc_diff 0.2 off a correct load) passed every check: they all
+  compare with a fresh load or with the model's own stored state. `ckpt.experts` compares
+  the experts with the checkpoint's tensors read by safetensors;
+* a kept --workdir whose "other seed" checkpoint held the same seed made every reload vacuous;
+* a reload that moved the weights to new memory (captured CUDA graphs read the old) passed
+  `identity`;
+* a NaN layer passed `ref.moe` and `gate.json` held bare NaN;
+* `--backend torch,all` refused a backend `all` skips; a backend skipped for one kind only was
+  reported as not gated while its other kind's steps counted; `--kind ,` ran nothing and
+  failed (exit 1); an unwritable --json exited 1 with a traceback after "gate PASSED".
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import fp8_reload as fr
+from fp8_reload import kernels
+from fp8_reload.layers import FusedMoE
+from fp8_reload.tools import gate
+from fp8_reload.tools.cli import main
+from fp8_reload.tools.gate import run as gate_run
+
+from .test_gate import bounds_with, failed, run
+
+SCRIPT = gate.default_script(fr.MoEConfig.preset("tiny"))
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gate-s26")
+
+
+def test_a_loader_bug_a_fresh_load_shares_fails_ckpt_experts(workdir, monkeypatch):
+    real = FusedMoE.slot_destination
+
+    def swapped(self, param, weight_name, shard_id, slot):  # gate and up trade places
+        return real(self, param, weight_name, {"w1": "w3", "w3": "w1"}.get(shard_id, shard_id), slot)
+
+    monkeypatch.setattr(FusedMoE, "slot_destination", swapped)
+    r = run(workdir, kinds="fp8")
+    f = failed(r)
+    assert f.get("ckpt.experts") == list(range(len(SCRIPT) + 1)), f  # the load and every step
+    assert "fresh.state" not in f and "identity" not in f  # the fresh load shares the bug
+    bad = next(c for s in r.steps for c in s.checks if c.name == "ckpt.experts")
+    assert bad.measured > 0.1 and ("gate_proj" in bad.detail or "up_proj" in bad.detail)
+
+
+def test_a_workdir_holding_another_seed_is_refused(tmp_path):
+    cfg = fr.MoEConfig.preset("tiny")
+    for seed in (0, 1):  # both of seed 0: every reload from "s1" would load the same bytes
+        fr.write_checkpoint(tmp_path / f"{cfg.name}-{cfg.num_layers}L-fp8-s{seed}", cfg, seed=0)
+    with pytest.raises(gate.GateError, match=r"fp8-s1 holds another checkpoint .*'seed': 0"):
+        run(tmp_path, kinds="fp8")
+
+
+def test_a_reload_moving_weights_to_new_memory_fails_identity(workdir, monkeypatch):
+    real = gate_run.update_weights_from_disk
+
+    def moves(model, path, flt=None, **kw):
+        report = real(model, path, flt, **kw)
+        for _, layer in model.moe_layers():
+            layer.w13_weight.data = layer.w13_weight.data.clone()
+        return report
+
+    monkeypatch.setattr(gate_run, "update_weights_from_disk", moves)
+    r = run(workdir, kinds="fp8")
+    assert failed(r) == {"identity": list(range(1, len(SCRIPT) + 1))}
+    assert "w13_weight: moved to new memory" in next(
+        c.detail for s in r.steps for c in s.checks if c.name == "identity" and c.status == "fail")
+
+
+def test_a_nan_layer_fails_ref_moe_and_the_json_says_null(workdir, monkeypatch, tmp_path):
+    torch_moe = kernels.BACKENDS["torch"]
+
+    def nan_layer2(layer, x, topk_weights, topk_ids):
+        y = torch_moe(layer, x, topk_weights, topk_ids)
+        return torch.full_like(y, float("nan")) if layer.layer_id == 2 else y
+
+    monkeypatch.setitem(kernels.BACKENDS, "nan2", nan_layer2)
+    r = run(workdir, kinds="fp8", backends="nan2", bounds=bounds_with("nan2"))
+    assert failed(r)["ref.moe"] == list(range(len(SCRIPT) + 1))
+    out = tmp_path / "g.json"
+    gate.write_json(r, out)
+    text = out.read_text()
+    assert "NaN" not in text
+    measured = [c["measured"] for s in json.loads(text)["steps"] for c in s["checks"]
+                if c["name"] == "ref.moe"]
+    assert measured and all(m is None for m in measured)
+
+
+def test_backends_and_kinds_that_cannot_run(workdir, monkeypatch, capsys):
+    def never(layer, x, topk_weights, topk_ids):
+        raise fr.BackendUnavailable("needs an sm90 GPU")
+
+    monkeypatch.setitem(kernels.BACKENDS, "never", never)
+    r = run(workdir, kinds="fp8", backends="torch,all", bounds=bounds_with("never"))
+    assert r.passed and r.skipped_backends == {"never": "needs an sm90 GPU"}
+    monkeypatch.delitem(kernels.BACKENDS, "never")
+    assert main(["gate", "--device", "cpu", "--kind", ","]) == 2
+    assert "--kind names no checkpoint kind" in capsys.readouterr().err
+    assert main(["gate", "--device", "cpu", "--kind", "fp8", "--workdir", str(workdir),
+                 "--json", "/dev/full"]) == 2
+    assert "--json /dev/full: cannot write it" in capsys.readouterr().err
+    monkeypatch.setitem(kernels.BACKENDS, "never", never)
+    monkeypatch.setattr(gate_run, "available_backends", lambda: ["never"])  # a machine without
+    with pytest.raises(gate.GateError, match="no backend could run here: never: needs an sm90"):
+        run(workdir, kinds="fp8", backends="all", bounds=bounds_with("never"))
+
+
+def test_a_backend_skipped_for_one_kind_is_gated_for_the_other(workdir, monkeypatch):
+    torch_moe = kernels.BACKENDS["torch"]
+
+    def fp8_only(layer, x, topk_weights, topk_ids):
+        if layer.w13_input_scale is None:  # a bf16 checkpoint's layer (dynamic input scales)
+            raise fr.BackendUnavailable("fp8 only")
+        return torch_moe(layer, x, topk_weights, topk_ids)
+
+    monkeypatch.setitem(kernels.BACKENDS, "fp8only", fp8_only)
+    r = run(workdir, kinds="fp8,bf16", backends="all", bounds=bounds_with("fp8only"))
+    assert r.passed and "fp8only" in r.backends
+    assert r.skipped_backends == {"fp8only (bf16)": "fp8 only"}
+    assert {s.kind for s in r.steps if s.backend == "fp8only"} == {"fp8"}
