@@ -3,7 +3,8 @@
 It dequantizes every weight the way its stored state means it (its own
 dequantization, not `kernels.scales`), so a scale bug shared by every backend
 still shows; activations are not quantized. The accuracy gate compares every
-backend against it.
+backend against it, and the experts themselves against the checkpoint's tensors read
+with safetensors (`checkpoint_expert_diff`).
 """
 
 from __future__ import annotations
@@ -147,8 +148,6 @@ def forward_with_routing(model: FP8MoEModel, x: torch.Tensor
         for h in hooks:
             h.remove()
     return y, routing
-
-
 
 
 def checkpoint_expert_diff(model: FP8MoEModel, path) -> tuple[float, str]:
