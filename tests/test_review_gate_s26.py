@@ -3,8 +3,8 @@ its fix:
 
 * a loader bug that a fresh load shares (gate and up of every expert swapped, so each MoE layer
   computed silu(up) * gate, calc_diff 0.2 off a correct load) passed every check: they all
-  compare with a fresh load or with the model's own stored state. `ckpt.experts` compares
-  the experts with the checkpoint's tensors read by safetensors;
+  compare with a fresh load or with the model's own stored state. `ckpt.weights` compares
+  the experts and the FP8 linears with the checkpoint's tensors read by safetensors;
 * a kept --workdir whose "other seed" checkpoint held the same seed made every reload vacuous;
 * a reload that moved the weights to new memory (captured CUDA graphs read the old) passed
   `identity`;
@@ -47,9 +47,9 @@ def test_a_loader_bug_a_fresh_load_shares_fails_ckpt_experts(workdir, monkeypatc
     monkeypatch.setattr(FusedMoE, "slot_destination", swapped)
     r = run(workdir, kinds="fp8")
     f = failed(r)
-    assert f.get("ckpt.experts") == list(range(len(SCRIPT) + 1)), f  # the load and every step
+    assert f.get("ckpt.weights") == list(range(len(SCRIPT) + 1)), f  # the load and every step
     assert "fresh.state" not in f and "identity" not in f  # the fresh load shares the bug
-    bad = next(c for s in r.steps for c in s.checks if c.name == "ckpt.experts")
+    bad = next(c for s in r.steps for c in s.checks if c.name == "ckpt.weights")
     assert bad.measured > 0.1 and ("gate_proj" in bad.detail or "up_proj" in bad.detail)
 
 
@@ -128,3 +128,17 @@ def test_a_backend_skipped_for_one_kind_is_gated_for_the_other(workdir, monkeypa
     assert r.passed and "fp8only" in r.backends
     assert r.skipped_backends == {"fp8only (bf16)": "fp8 only"}
     assert {s.kind for s in r.steps if s.backend == "fp8only"} == {"fp8"}
+
+
+def test_a_linear_loader_bug_a_fresh_load_shares_fails_ckpt_weights(workdir, monkeypatch):
+    """The same for the FP8 linears: the dense MLP's gate and up trade places in gate_up_proj."""
+    import fp8_reload.layers as layers
+
+    monkeypatch.setattr(layers, "STACKED", (("gate_up_proj", "gate_proj", 1),
+                                            ("gate_up_proj", "up_proj", 0)))
+    r = run(workdir, kinds="fp8")
+    f = failed(r)
+    assert f.get("ckpt.weights") == list(range(len(SCRIPT) + 1)), f
+    assert "fresh.state" not in f and "identity" not in f
+    bad = next(c for s in r.steps for c in s.checks if c.name == "ckpt.weights")
+    assert bad.measured > 0.1 and "gate_up_proj" in bad.detail

@@ -3,8 +3,8 @@
 It dequantizes every weight the way its stored state means it (its own
 dequantization, not `kernels.scales`), so a scale bug shared by every backend
 still shows; activations are not quantized. The accuracy gate compares every
-backend against it, and the experts themselves against the checkpoint's tensors read
-with safetensors (`checkpoint_expert_diff`).
+backend against it, and the weights themselves against the checkpoint's tensors read
+with safetensors (`checkpoint_weight_diff`).
 """
 
 from __future__ import annotations
@@ -150,12 +150,13 @@ def forward_with_routing(model: FP8MoEModel, x: torch.Tensor
     return y, routing
 
 
-def checkpoint_expert_diff(model: FP8MoEModel, path) -> tuple[float, str]:
-    """The worst `calc_diff`, over every projection of every expert in every slot, between
-    the model's dequantized weights and the checkpoint's own tensors read with safetensors
-    (an FP8 checkpoint's bytes times its scale; a bf16 one's values). Nothing of this package
-    reads them, so a loader or processing bug that a fresh load shares (the gate's other
-    checks compare against one) still shows. NaN counts as the worst. Returns (worst, where)."""
+def checkpoint_weight_diff(model: FP8MoEModel, path) -> tuple[float, str]:
+    """The worst `calc_diff` between the model's dequantized weights (every expert in every
+    slot, every FP8 linear) and the checkpoint's own tensors read with safetensors (an FP8
+    checkpoint's bytes times its scale; a bf16 one's values). Nothing of this package reads
+    them or maps their names, so a loader or processing bug that a fresh load shares (the
+    gate's other checks compare with one) still shows. NaN counts as the worst.
+    Returns (worst, where)."""
     import json
     from pathlib import Path
 
@@ -176,21 +177,32 @@ def checkpoint_expert_diff(model: FP8MoEModel, path) -> tuple[float, str]:
             shards[f] = safe_open(str(path / f), "pt")
         return shards[f].get_tensor(name).float()
 
-    worst, at = 0.0, "no expert"
+    def stored(prefix: str) -> torch.Tensor:  # [out, in] float32, as the checkpoint means it
+        w = read(f"{prefix}.weight")
+        scale = f"{prefix}.weight_scale"
+        return w * read(scale) if scale in where_is else w
+
+    worst, at = 0.0, "nothing"
+
+    def compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+        nonlocal worst, at
+        d = calc_diff(got.cpu(), want)
+        if not d <= worst:  # (NaN too)
+            worst, at = d, what
+
+    for name, module in model.named_modules():
+        if isinstance(module, Fp8Linear):  # gate_up_proj holds the checkpoint's gate and up
+            parts = ([name.replace("gate_up_proj", p) for p in ("gate_proj", "up_proj")]
+                     if name.endswith("gate_up_proj") else [name])
+            compare(dequantized_linear_weight(module), torch.cat([stored(p) for p in parts]), name)
     for _, layer in model.moe_layers():
         inter = layer.intermediate_size
         for e in range(model.config.num_experts):
-            prefix = f"model.layers.{layer.layer_id}.mlp.experts.{e}."
-            want = {}
-            for proj in ("gate_proj", "up_proj", "down_proj"):
-                w = read(f"{prefix}{proj}.weight")
-                scale = f"{prefix}{proj}.weight_scale"
-                want[proj] = w * read(scale) if scale in where_is else w
+            prefix = f"model.layers.{layer.layer_id}.mlp.experts.{e}"
+            want = {proj: stored(f"{prefix}.{proj}") for proj in ("gate_proj", "up_proj", "down_proj")}
             for slot in layer.local_slots(e):
                 w13, w2 = dequantized_expert(layer, slot)
                 for proj, got in (("gate_proj", w13[:inter]), ("up_proj", w13[inter:]),
                                   ("down_proj", w2)):
-                    d = calc_diff(got.cpu(), want[proj])
-                    if not d <= worst:  # (NaN too)
-                        worst, at = d, f"layer {layer.layer_id} expert {e} {proj}"
+                    compare(got, want[proj], f"{prefix}.{proj} (slot {slot})")
     return worst, at

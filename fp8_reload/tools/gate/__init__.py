@@ -10,8 +10,8 @@ every requested MoE forward backend:
     fresh.state    (1) every parameter and buffer equals, bit for bit, a fresh load of
                    what the model should now hold (after a filtered reload from the
                    other checkpoint: a fresh load of the correspondingly mixed checkpoint)
-    ckpt.experts   every expert, dequantized, vs the checkpoint's own tensors read with
-                   safetensors (a bug a fresh load shares shows here)
+    ckpt.weights   every expert and FP8 linear, dequantized, vs the checkpoint's own tensors
+                   read with safetensors (a bug a fresh load shares shows here)
     fresh.forward  (1) the forward output equals the fresh load's, bitwise or within
                    the backend's bound
     ref.model      (2) model output vs a float32 reference forward of the same

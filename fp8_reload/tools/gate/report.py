@@ -8,7 +8,7 @@ from pathlib import Path
 
 from .result import CHECKPOINT_BOUND, Check, GateResult, StepResult
 
-_COLS = (("reload", "reload"), ("fresh.state", "state"), ("ckpt.experts", "=ckpt"),
+_COLS = (("reload", "reload"), ("fresh.state", "state"), ("ckpt.weights", "=ckpt"),
          ("fresh.forward", "fwd=fresh"),
          ("ref.model", "ref.model"), ("ref.moe", "ref.moe"), ("identity", "identity"),
          ("untouched", "untouched"))
@@ -17,7 +17,7 @@ _COLS = (("reload", "reload"), ("fresh.state", "state"), ("ckpt.experts", "=ckpt
 def _cell(c: Check) -> str:
     if c.status in ("n/a", "skip"):
         return "-" if c.status == "n/a" else "skip"
-    numeric = c.name in ("ckpt.experts", "ref.model", "ref.moe") or (c.name == "fresh.forward"
+    numeric = c.name in ("ckpt.weights", "ref.model", "ref.moe") or (c.name == "fresh.forward"
                                                                      and c.bound)
     value = f"{c.measured:.1e}" if numeric and c.measured is not None else ""
     if c.status == "pass":
@@ -77,8 +77,8 @@ def format_report(result: GateResult) -> str:
         for k in result.kinds:
             steps = [s for s in result.steps if s.backend == b and s.kind == k]
             vals = [c.measured for s in steps for c in s.checks
-                    if c.name == "ckpt.experts" and c.measured is not None]
-            cells = [f"ckpt.experts {max(vals):.3g}" if vals else "ckpt.experts -"]
+                    if c.name == "ckpt.weights" and c.measured is not None]
+            cells = [f"ckpt.weights {max(vals):.3g}" if vals else "ckpt.weights -"]
             cells[-1] += f" (bound {CHECKPOINT_BOUND:g})"
             for name in ("fresh.forward", "ref.model", "ref.moe"):
                 vals = [c.measured for s in steps for c in s.checks

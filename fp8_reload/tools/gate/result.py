@@ -8,9 +8,9 @@ import torch
 
 from ..usage import UsageError
 
-CHECKS = ("reload", "fresh.state", "ckpt.experts", "fresh.forward", "ref.model", "ref.moe",
+CHECKS = ("reload", "fresh.state", "ckpt.weights", "fresh.forward", "ref.model", "ref.moe",
           "identity", "untouched")
-# ckpt.experts: FP8 rounding of a requantized gate/up half (fp8 checkpoints) or of the
+# ckpt.weights: FP8 rounding of a requantized gate/up half (fp8 checkpoints) or of the
 # quantization on load (bf16); measured at most 7.4e-4 on the tiny and small presets, both
 # kinds and every processing mode. A misplaced or mis-scaled projection measures ~1.
 CHECKPOINT_BOUND = 2e-3

@@ -25,7 +25,7 @@ from ...reload import generate_weight_name_filter, load_model, update_weights_fr
 from ...state import Snapshot, bitwise_equal, compare_states, missing_loaders, snapshot
 from ...testing.numeric import calc_diff
 from ...testing.reference import (
-    checkpoint_expert_diff,
+    checkpoint_weight_diff,
     forward_with_routing,
     reference_forward,
     reference_moe,
@@ -199,11 +199,11 @@ class _Sequence:
         """The experts against the checkpoint itself, read without this package: what a
         fresh load shares with the reload (the loaders, processing) cannot hide there."""
         try:
-            d, where = checkpoint_expert_diff(model, path)
+            d, where = checkpoint_weight_diff(model, path)
         except Exception as e:
-            return Check("ckpt.experts", "fail", None, CHECKPOINT_BOUND,
+            return Check("ckpt.weights", "fail", None, CHECKPOINT_BOUND,
                          f"reading the checkpoint raised {_fail_text(e)}")
-        return Check("ckpt.experts", "pass" if d <= CHECKPOINT_BOUND else "fail", d,
+        return Check("ckpt.weights", "pass" if d <= CHECKPOINT_BOUND else "fail", d,
                      CHECKPOINT_BOUND, f"worst {where}: calc_diff {d:.3g} vs bound {CHECKPOINT_BOUND:g}")
 
     def _fresh_forward(self, y, y_err, yf, yf_err) -> Check:
