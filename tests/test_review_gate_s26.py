@@ -87,6 +87,8 @@ def test_a_nan_layer_fails_ref_moe_and_the_json_says_null(workdir, monkeypatch, 
     monkeypatch.setitem(kernels.BACKENDS, "nan2", nan_layer2)
     r = run(workdir, kinds="fp8", backends="nan2", bounds=bounds_with("nan2"))
     assert failed(r)["ref.moe"] == list(range(len(SCRIPT) + 1))
+    assert next(c.detail for s in r.steps for c in s.checks if c.name == "fresh.forward"
+                ) == "output not finite (reloaded and fresh model)"  # (not "not bitwise")
     out = tmp_path / "g.json"
     gate.write_json(r, out)
     text = out.read_text()

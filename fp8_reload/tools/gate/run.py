@@ -211,6 +211,10 @@ class _Sequence:
         if y_err or yf_err:
             return Check("fresh.forward", "fail", None, bound,
                          f"forward raised {y_err or yf_err} ({'reloaded' if y_err else 'fresh'} model)")
+        if not (torch.isfinite(y).all() and torch.isfinite(yf).all()):  # (NaN never equals NaN)
+            which = [n for n, t in (("reloaded", y), ("fresh", yf)) if not torch.isfinite(t).all()]
+            return Check("fresh.forward", "fail", None, bound,
+                         f"output not finite ({' and '.join(which)} model)")
         d = calc_diff(y, yf)
         if bound == 0:
             same = torch.equal(y, yf)
