@@ -44,6 +44,7 @@ def sweep(path: Path, values: list[int], rounds: int, reps: int, firsts: int) ->
     files = io_paths.shard_files(path)
     nbytes = io_paths.total_bytes(files)
     model = fr.load_model(path, device="cuda")
+    io_paths.wait_settled(files)  # (just written: a reload sooner would be a first one)
     fr.update_weights_from_disk(model, path)
     fr.update_weights_from_disk(model, path)  # registers the shards
     # the limits, with the model and its registered shards in place (as the reloads run)

@@ -17,6 +17,7 @@ its fix:
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -77,14 +78,15 @@ def test_a_reload_moving_weights_to_new_memory_fails_identity(workdir, monkeypat
         c.detail for s in r.steps for c in s.checks if c.name == "identity" and c.status == "fail")
 
 
-def test_a_nan_layer_fails_ref_moe_and_the_json_says_null(workdir, monkeypatch, tmp_path):
+@pytest.mark.parametrize("nan_layer", [1, 2])  # (first or last: a NaN stays the worst)
+def test_a_nan_layer_fails_ref_moe_and_the_json_says_null(workdir, monkeypatch, tmp_path, nan_layer):
     torch_moe = kernels.BACKENDS["torch"]
 
-    def nan_layer2(layer, x, topk_weights, topk_ids):
+    def nan_in_one_layer(layer, x, topk_weights, topk_ids):
         y = torch_moe(layer, x, topk_weights, topk_ids)
-        return torch.full_like(y, float("nan")) if layer.layer_id == 2 else y
+        return torch.full_like(y, float("nan")) if layer.layer_id == nan_layer else y
 
-    monkeypatch.setitem(kernels.BACKENDS, "nan2", nan_layer2)
+    monkeypatch.setitem(kernels.BACKENDS, "nan2", nan_in_one_layer)
     r = run(workdir, kinds="fp8", backends="nan2", bounds=bounds_with("nan2"))
     assert failed(r)["ref.moe"] == list(range(len(SCRIPT) + 1))
     assert next(c.detail for s in r.steps for c in s.checks if c.name == "fresh.forward"
@@ -144,3 +146,29 @@ def test_a_linear_loader_bug_a_fresh_load_shares_fails_ckpt_weights(workdir, mon
     assert "fresh.state" not in f and "identity" not in f
     bad = next(c for s in r.steps for c in s.checks if c.name == "ckpt.weights")
     assert bad.measured > 0.1 and "gate_up_proj" in bad.detail
+
+
+def test_a_nan_weight_anywhere_fails_ckpt_weights(ckpts):
+    """A NaN scale in the first linear the oracle reads, with finite ones after it."""
+    from fp8_reload.testing.reference import checkpoint_weight_diff
+
+    model = fr.load_model(ckpts["fp8", 0])
+    model.model.layers[0].self_attn.q_proj.weight_scale.data.fill_(float("nan"))
+    worst, where = checkpoint_weight_diff(model, ckpts["fp8", 0])
+    assert math.isnan(worst) and where == "model.layers.0.self_attn.q_proj", (worst, where)
+
+
+def test_a_backend_that_cannot_run_the_first_kind_is_gated_for_the_next(workdir, monkeypatch):
+    torch_moe = kernels.BACKENDS["torch"]
+
+    def bf16_only(layer, x, topk_weights, topk_ids):
+        if layer.w13_input_scale is not None:  # an fp8 checkpoint's layer (static input scales)
+            raise fr.BackendUnavailable("bf16 only")
+        return torch_moe(layer, x, topk_weights, topk_ids)
+
+    monkeypatch.setitem(kernels.BACKENDS, "bf16only", bf16_only)
+    monkeypatch.setattr(gate_run, "available_backends", lambda: ["bf16only"])
+    r = run(workdir, kinds="fp8,bf16", backends="all", bounds=bounds_with("bf16only"))
+    assert r.passed and r.backends == ["bf16only"]
+    assert r.skipped_backends == {"bf16only (fp8)": "bf16 only"}
+    assert {s.kind for s in r.steps} == {"bf16"}

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..state import raw_bytes
@@ -51,3 +53,9 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, what: str = "tensor")
     diff = first_difference(a, b)
     if diff is not None:
         raise AssertionError(f"{what}: not bitwise equal: {diff}")
+
+
+def worse(d: float, worst: float) -> bool:
+    """Whether measurement `d` is worse than `worst` so far: a NaN is the worst there is, and
+    stays so (``not d <= worst`` let the next finite value replace it)."""
+    return not math.isnan(worst) and (math.isnan(d) or d > worst)

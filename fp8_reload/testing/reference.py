@@ -162,7 +162,7 @@ def checkpoint_weight_diff(model: FP8MoEModel, path) -> tuple[float, str]:
 
     from safetensors import safe_open
 
-    from .numeric import calc_diff
+    from .numeric import calc_diff, worse
 
     path = Path(path)
     index = path / "model.safetensors.index.json"
@@ -187,7 +187,7 @@ def checkpoint_weight_diff(model: FP8MoEModel, path) -> tuple[float, str]:
     def compare(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
         nonlocal worst, at
         d = calc_diff(got.cpu(), want)
-        if not d <= worst:  # (NaN too)
+        if worse(d, worst):
             worst, at = d, what
 
     for name, module in model.named_modules():

@@ -23,7 +23,7 @@ from ...layers import FP8MoEModel, MoEBlock, expert_of
 from ...processing import MODES
 from ...reload import generate_weight_name_filter, load_model, update_weights_from_disk
 from ...state import Snapshot, bitwise_equal, compare_states, missing_loaders, snapshot
-from ...testing.numeric import calc_diff
+from ...testing.numeric import calc_diff, worse
 from ...testing.reference import (
     checkpoint_weight_diff,
     forward_with_routing,
@@ -250,7 +250,7 @@ class _Sequence:
                     w, ids = block.gate(xb)
                     got = run_moe(block.experts, xb, w, ids, backend=self.backend)
                     d = calc_diff(got, reference_moe(block.experts, xb, w, ids))
-                    if not d <= worst:  # (a NaN layer is the worst)
+                    if worse(d, worst):  # (a NaN layer is the worst)
                         worst, where = d, f"layer {block.experts.layer_id}"
         except Exception as e:
             return [model_check, Check("ref.moe", "fail", None, b.ref_moe,
@@ -340,14 +340,16 @@ def run_gate(preset: str = "tiny", processing: str = "fixed", backends="all",
             for kind in kinds:
                 try:
                     result.steps += _Sequence(gate, name, kind).run()
-                except BackendUnavailable as e:
+                except BackendUnavailable as e:  # (for this kind: the others are still tried)
                     if not requested_all:
                         raise GateError(f"MoE backend {name!r} cannot run here: {e}") from None
-                    ran = any(s.backend == name for s in result.steps)  # (its other kinds count)
-                    key = f"{name} ({', '.join(kinds[kinds.index(kind):])})" if ran else name
-                    result.skipped_backends[key] = str(e)
-                    log(f"[gate] skipping backend {key!r}: {e}")
-                    break
+                    result.skipped_backends[f"{name} ({kind})"] = str(e)
+                    log(f"[gate] skipping backend {name!r} for {kind}: {e}")
+            skipped = [f"{name} ({k})" for k in kinds]
+            if all(k in result.skipped_backends for k in skipped):  # every kind: the backend
+                result.skipped_backends[name] = result.skipped_backends[skipped[0]]
+                for k in skipped:
+                    del result.skipped_backends[k]
         result.backends = [n for n in names if any(s.backend == n for s in result.steps)]
         if not result.steps:
             raise GateError("no backend could run here: " + "; ".join(
