@@ -81,6 +81,23 @@ def load_experts(moe, sources: dict[int, Path], slot_of: dict[int, int] | None =
     return n
 
 
+def eplb_move(moe, old: list[int], new: list[int], rank: int = 0, world: int = 1) -> None:
+    """sglang's EPLB weight move of one layer (physical -> logical maps `old` -> `new`), called
+    as its ExpertLocationUpdater does: every ``[E]`` Parameter, by P2P between ranks."""
+    from sglang.srt.eplb.expert_location_updater import (
+        create_temp_buffers,
+        update_expert_weights_single_layer,
+    )
+    from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
+
+    local = moe.num_local_experts
+    weights = [p.data for name, p in moe.named_parameters()
+               if filter_moe_weight_param_global_expert(name, p, local)]
+    update_expert_weights_single_layer(weights, create_temp_buffers(weights), old, new,
+                                       num_local_physical_experts=local, num_gpu_per_node=world,
+                                       rank=rank, world_size=world)
+
+
 def fresh_experts(cfg, kind: str, sources: dict[int, Path]):
     """A FusedMoE freshly loaded (one load, one post-processing) from `sources`."""
     moe = make_experts(cfg, kind)

@@ -28,6 +28,7 @@ from .sgl_model import (
     EXPERTS_PREFIX,
     byte_diffs,
     changed_since,
+    eplb_move,
     load_experts,
     make_experts,
     read_tensors,
@@ -61,21 +62,6 @@ def _kernel_scales(moe) -> list:
     return [None if s is None else float(s) for s in (info.a13_scale, info.a2_scale)]
 
 
-def _move(moe, old, new, rank) -> None:
-    """sglang's EPLB weight move of one layer, called as its ExpertLocationUpdater does."""
-    from sglang.srt.eplb.expert_location_updater import (
-        create_temp_buffers,
-        update_expert_weights_single_layer,
-    )
-    from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
-
-    weights = [p.data for name, p in moe.named_parameters()
-               if filter_moe_weight_param_global_expert(name, p, LOCAL)]
-    update_expert_weights_single_layer(weights, create_temp_buffers(weights), old, new,
-                                       num_local_physical_experts=LOCAL, num_gpu_per_node=WORLD,
-                                       rank=rank, world_size=WORLD)
-
-
 def _case(rank, kind, patched, paths, old, new) -> dict:
     from sglang.srt.layers.quantization import fp8, utils
 
@@ -92,7 +78,7 @@ def _case(rank, kind, patched, paths, old, new) -> dict:
         return {"diffs": byte_diffs(moe, fresh), "kernel": _kernel_scales(moe),
                 "fresh_kernel": _kernel_scales(fresh), "replaced": changed_since(moe, before)[0]}
 
-    _move(moe, old, new, rank)
+    eplb_move(moe, old, new, rank, WORLD)
     out = {"moved": against(_rank_layer(kind, new, rank, base))}
     if patched:  # then EPLB's filtered reload of one slot, from another checkpoint
         donor_slot = {RELOADED_SLOT: (donor, new[rank * LOCAL + RELOADED_SLOT])}

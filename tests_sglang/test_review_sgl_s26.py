@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from .conftest import CFG
-from .sgl_model import fresh_experts, load_experts
+from .sgl_model import eplb_move, fresh_experts, load_experts
 
 E = CFG.num_experts
 
@@ -51,18 +51,8 @@ def _reloaded(moe, ckpts):
 
 
 def _moved(moe, ckpts):
-    from sglang.srt.eplb.expert_location_updater import (
-        create_temp_buffers,
-        update_expert_weights_single_layer,
-    )
-    from sglang.srt.layers.moe.utils import filter_moe_weight_param_global_expert
-
-    weights = [p.data for name, p in moe.named_parameters()
-               if filter_moe_weight_param_global_expert(name, p, E)]
     new = list(reversed(range(E)))  # every slot takes another expert (same-rank copies)
-    update_expert_weights_single_layer(weights, create_temp_buffers(weights), list(range(E)), new,
-                                       num_local_physical_experts=E, num_gpu_per_node=1, rank=0,
-                                       world_size=1)
+    eplb_move(moe, list(range(E)), new)
     return fresh_experts(CFG, "fp8", {slot: ckpts[("fp8", 0)] for slot in range(E)}), new
 
 
