@@ -7,7 +7,8 @@
    asv benchmark's own fixture (`benchmarks.fixtures.UnprocessedLayer`: both sides start from
    the same unprocessed state on the device), CUDA events around `process()` only.
 2. The Triton MoE forward at 128 / 1024 / 4096 tokens: eager (CUDA events), host time per
-   call, CUDA-graph replay, and the roofline (bytes and FLOPs over the H200's limits).
+   call, CUDA-graph replay, and the roofline (bytes and FLOPs over this GPU's HBM copy
+   and FP8 GEMM rates, measured first in the same process).
 3. Host time of one launch, Triton against torch (what bounds one-expert processing).
 4. With --sweep: tile configurations of the up and down GEMMs at 128 and 4096 tokens,
    timed by graph replay, best first.
@@ -39,6 +40,7 @@ from fp8_reload.testing import (  # noqa: E402
     capture_graph,
     cuda_time_ms,
     host_time_per_call,
+    measure_device_limits,
     moe_bytes,
     moe_flop,
     roofline_ms,
@@ -101,6 +103,9 @@ def launch_overhead(rows: list) -> None:
 def forward(rows: list) -> None:
     cfg = fr.MoEConfig.preset("v2-lite", num_layers=2)
     layer = synthetic_moe_layer(cfg, "cuda")
+    limits = measure_device_limits()
+    rows.append({"what": "limits", "describe": limits.describe()})
+    print(f"[probe] roofline limits: {limits.describe()}", flush=True)
     for tokens in (128, 1024, 4096):
         x, w, ids = routed_tokens(cfg, tokens, "cuda")
         fn = functools.partial(fr.kernels.run_moe, layer, x, w, ids, backend="triton")
@@ -109,7 +114,7 @@ def forward(rows: list) -> None:
         host = host_time_per_call(fn, 50) * 1e3
         graph, _ = capture_graph(fn)
         replay = cuda_time_ms(graph.replay, 50, warmup=5)
-        limit = roofline_ms(moe_bytes(cfg, ids), moe_flop(cfg, tokens))
+        limit = roofline_ms(moe_bytes(cfg, ids), moe_flop(cfg, tokens), limits)
         rows.append({"what": "forward", "tokens": tokens, "eager_ms": round(eager, 4),
                      "host_ms_per_call": round(host, 4), "graph_ms": round(replay, 4),
                      "roofline_ms": round(limit, 4), "of_roofline": round(limit / min(eager, replay), 3)})

@@ -31,7 +31,7 @@ if [ "$PART" = checks ] || [ "$PART" = all ]; then
   timeout 60 python3 gpu/peak_check.py 2>&1 | tee "$OUT/peak_check.txt"
   timeout 90 python3 gpu/process_probe.py --no-tests 2>&1 | grep -E "process|launch" | tee "$OUT/process_probe.txt"
   timeout 90 python3 gpu/kernels_probe.py --skip-processing --out "$OUT/kernels_probe.json" 2>&1 \
-    | tee "$OUT/kernels_probe.log" | grep -E "forward|launch"
+    | tee "$OUT/kernels_probe.log" | grep -E "forward|launch|limits"
 fi
 if [ "$PART" = io ] || [ "$PART" = all ]; then
   # one process per kind: a library's leftover threads slow the Python measured after it

@@ -369,8 +369,31 @@ def test_bench_pipeline_writes_tables(cfg128, tmp_path):
     assert names == ["kernels.md", "kernels_forward.csv", "kernels_gemm.csv", "kernels_scales.csv"]
     md = (tmp_path / "kernels.md").read_text()
     assert "| tokens | backend |" in md and "deep_gemm_masked" in md
+    assert f"Roofline limits: {bench.device_limits().describe()}." in md
+    assert all(r["roofline_ms"] > 0 for r in result["forward"])
     ok, lines = bk.verdict(result)
     assert ok or all(line.startswith("MISS") for line in lines)  # CPU timings miss GPU targets
+
+
+def test_roofline_divides_by_the_limits_it_is_given():
+    from fp8_reload.testing import H200_DATASHEET, DeviceLimits, roofline_ms
+
+    assert roofline_ms(4.8e9, 0.0) == pytest.approx(1.0)  # the datasheet's HBM by default
+    slow = DeviceLimits(hbm_bytes_per_s=1e12, fp8_flop_per_s=1e15, source="test")
+    assert roofline_ms(1e9, 1e12, slow) == pytest.approx(1.0)  # bytes bound
+    assert roofline_ms(1e6, 5e12, slow) == pytest.approx(5.0)  # FLOP bound
+    assert "datasheet" in H200_DATASHEET.describe()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures the CUDA device")
+def test_device_limits_measured_on_cuda_stay_below_the_datasheet():
+    from fp8_reload.testing import H200_DATASHEET, measure_device_limits
+
+    lim = measure_device_limits(copy_bytes=256 << 20, gemm_size=4096, iters=5)
+    print("device limits:", lim.describe())
+    assert "measured" in lim.source
+    assert 0.2e12 < lim.hbm_bytes_per_s <= 1.02 * H200_DATASHEET.hbm_bytes_per_s
+    assert 0 < lim.fp8_flop_per_s <= 1.02 * H200_DATASHEET.fp8_flop_per_s
 
 
 def test_synthetic_layer_matches_the_checkpoint_layout(cfg128):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -149,14 +150,74 @@ def kernel_time_ms(fn: Callable[[], object], iters: int = 10,
 
 
 # H200 SXM datasheet limits: HBM3e bandwidth and dense FP8 tensor-core throughput. The
-# roofline of a kernel is the larger of its bytes and its FLOPs over these.
+# roofline of a kernel is the larger of its bytes and its FLOPs over a device's limits;
+# `measure_device_limits` measures them on the GPU the kernel runs on instead.
 H200_HBM_BYTES_PER_S = 4.8e12
 H200_FP8_FLOP_PER_S = 1979e12
 
 
-def roofline_ms(nbytes: float, flop: float) -> float:
-    """The least time the H200 needs to move `nbytes` and compute `flop` (ms)."""
-    return 1e3 * max(nbytes / H200_HBM_BYTES_PER_S, flop / H200_FP8_FLOP_PER_S)
+@dataclass(frozen=True)
+class DeviceLimits:
+    """The rates a roofline divides by, and where each came from."""
+
+    hbm_bytes_per_s: float
+    fp8_flop_per_s: float
+    source: str
+
+    def describe(self) -> str:
+        return (f"HBM {self.hbm_bytes_per_s / 1e12:.2f} TB/s, FP8 "
+                f"{self.fp8_flop_per_s / 1e12:.0f} TFLOPS ({self.source})")
+
+
+H200_DATASHEET = DeviceLimits(H200_HBM_BYTES_PER_S, H200_FP8_FLOP_PER_S, "H200 SXM datasheet")
+
+
+def _best_event_ms(fn: Callable[[], object], iters: int) -> float:
+    fn()
+    torch.cuda.synchronize()
+    best = float("inf")
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end))
+    return best
+
+
+def measure_device_limits(copy_bytes: int = 1 << 30, gemm_size: int = 8192,
+                          iters: int = 10) -> DeviceLimits:
+    """HBM and FP8 rates of this process's CUDA device, best of `iters` each.
+
+    HBM: one device-to-device copy of `copy_bytes` (each byte read once and written once).
+    FP8: one e4m3 x e4m3 -> bf16 `torch._scaled_mm` of `gemm_size` cubed (cuBLAS), which
+    is what a well-tuned dense FP8 GEMM reaches here; where it cannot run, the datasheet's
+    FP8 rate stays, and `source` says so.
+    """
+    src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    hbm = 2 * copy_bytes / (_best_event_ms(lambda: dst.copy_(src), iters) * 1e-3)
+    src = dst = None  # 2 GiB back before the GEMM's operands
+    source = f"measured: {copy_bytes >> 20} MiB device copy"
+    n = gemm_size
+    try:
+        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
+        one = torch.ones((), device="cuda")
+        ms = _best_event_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                     out_dtype=torch.bfloat16), iters)
+        fp8 = 2.0 * n ** 3 / (ms * 1e-3)
+        source += f", {n}^3 FP8 torch._scaled_mm"
+    except (RuntimeError, AttributeError) as e:  # no FP8 GEMM on this GPU or torch
+        fp8 = H200_FP8_FLOP_PER_S
+        source += f"; FP8 rate from the H200 datasheet ({type(e).__name__}: {str(e)[:80]})"
+    return DeviceLimits(hbm, fp8, source)
+
+
+def roofline_ms(nbytes: float, flop: float, limits: DeviceLimits = H200_DATASHEET) -> float:
+    """The least time a device with `limits` needs to move `nbytes` and compute `flop` (ms)."""
+    return 1e3 * max(nbytes / limits.hbm_bytes_per_s, flop / limits.fp8_flop_per_s)
 
 
 def tflops(flop: float, ms: float) -> float:

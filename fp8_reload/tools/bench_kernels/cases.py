@@ -12,7 +12,16 @@ from ...config import MoEConfig
 from ...device import synchronize
 from ...kernels import BACKENDS, MOE_LAYER_BOUND, moe_forward_torch, run_moe
 from ...kernels.scales import build_block_scales
-from ...testing.bench import capture_graph, cuda_time_ms, kernel_time_ms, roofline_ms, tflops
+from ...testing.bench import (
+    H200_DATASHEET,
+    DeviceLimits,
+    capture_graph,
+    cuda_time_ms,
+    kernel_time_ms,
+    measure_device_limits,
+    roofline_ms,
+    tflops,
+)
 from ...testing.numeric import calc_diff
 from ...testing.workloads import (
     gemm_operands,
@@ -69,7 +78,15 @@ class Bench:
     device: str = "cuda"
     gemm: object = None  # None: deep_gemm_lib()
     iters: int = 20
+    limits: DeviceLimits | None = None  # None: measured on first use (CUDA), else the datasheet
     _layers: dict = field(default_factory=dict)
+
+    def device_limits(self) -> DeviceLimits:
+        """The roofline's rates: measured once on the GPU the cases run on."""
+        if self.limits is None:
+            on_cuda = str(self.device).startswith("cuda")
+            self.limits = measure_device_limits() if on_cuda else H200_DATASHEET
+        return self.limits
 
     def layer(self, kind: str = "fp8"):
         if kind not in self._layers:
@@ -149,7 +166,7 @@ class Bench:
                 if case.table == "forward":
                     row["graph_ms"] = self._graph_ms(case.spec[1], fn)
                     best = min(v for v in (ms, row["graph_ms"]) if isinstance(v, float))
-                    limit = roofline_ms(facts["bytes"], facts["flop"])
+                    limit = roofline_ms(facts["bytes"], facts["flop"], self.device_limits())
                     row.update(gb_s=round(facts["bytes"] / best / 1e6, 1), roofline_ms=round(limit, 4),
                                of_roofline=f"{limit / best:.0%}")
                 layer, x, w, ids = facts["inputs"]

@@ -29,7 +29,7 @@ NOTES = {
                 f"float32 reference of the same FP8 weights (bound {MOE_LAYER_BOUND:g}). Roofline: "
                 "`gb_s` is the bytes a forward must move (FP8 weights of every expert a token is routed "
                 "to, bf16 tokens in and out) over the faster of `ms` and `graph_ms`; `roofline_ms` the "
-                "least time the H200's datasheet limits allow (4.8 TB/s HBM, 1979 dense FP8 TFLOPS) "
+                "least time the roofline limits above allow (measured in the same run on a CUDA device) "
                 "and `of_roofline` how close the forward comes to it."),
 }
 
@@ -48,6 +48,8 @@ def write_results(result: dict, out_dir) -> list[Path]:
     written = []
     md = ["# MoE forward kernels", "",
           "Environment: " + ", ".join(f"{k} `{v}`" for k, v in result["env"].items()), ""]
+    if result.get("limits"):
+        md += [f"Roofline limits: {result['limits']}.", ""]
     if result.get("prewarm"):
         total = sum(s for _, s, _ in result["prewarm"])
         md += [f"JIT prewarm: {len(result['prewarm'])} cases, {total:.0f} s of compile work in "

@@ -106,6 +106,9 @@ def run(cases: list[Case], bench: Bench | None = None, jit_procs: int = 0, log=p
            "shape": f"{c.name} shape: hidden {c.hidden_size}, {c.num_experts} experts, "
                     f"inter {c.moe_intermediate_size}, top-{c.top_k}"}
     log("[env] " + ", ".join(f"{k}={v}" for k, v in out["env"].items()))
+    if any(c.table == "forward" for c in cases):
+        out["limits"] = bench.device_limits().describe()
+        log(f"[limits] {out['limits']}")
     if jit_procs:
         out["prewarm"] = prewarm(cases, jit_procs, log)
     for table in ("scales", "gemm", "forward"):
