@@ -254,6 +254,21 @@ def test_load_rank_model_refuses_a_placement_of_other_experts_or_layers(ckpts, c
         load_rank_model(ckpts["fp8", 0], placement, 0)
 
 
+def test_load_rank_model_opens_the_checkpoint_once(ckpts, monkeypatch):
+    """(s27) the placement check and the load share one parse of the index and config."""
+    from fp8_reload.checkpoint import Checkpoint
+
+    opened = []
+    real_init = Checkpoint.__init__
+    monkeypatch.setattr(Checkpoint, "__init__", lambda self, *a, **k: opened.append(a)
+                        or real_init(self, *a, **k))
+    placement = Placement.round_robin(LAYERS, E, 2, SLOTS)
+    model = load_rank_model(ckpts["fp8", 0], placement, 1)
+    assert len(opened) == 1, opened
+    fresh = fr.load_model(ckpts["fp8", 0], **placement.model_kwargs(1))
+    assert fr.compare_states(fr.snapshot(fresh), fr.snapshot(model)) == []
+
+
 def test_rebalance_without_checks_says_so(tmp_path, capsys):
     out = tmp_path / "r.json"
     assert cli.main(["rebalance", "--world-size", "1", "--no-check", "--json", str(out)]) == 0

@@ -353,11 +353,12 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
 def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
     """Build the model a checkpoint describes on `device` and load it (a fresh load).
 
-    A device this machine lacks raises `DeviceUnavailableError` before the
-    checkpoint is opened."""
+    `path`: a checkpoint directory, or a `Checkpoint` already opened (its index and
+    config are not parsed again). A device this machine lacks raises
+    `DeviceUnavailableError` before the checkpoint is opened."""
     device = resolve_device(device)
     mode = get_mode(processing)
-    ckpt = Checkpoint(path)
+    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
     try:
         model = FP8MoEModel(ckpt.config, mode, ckpt.kind, device=device, **moe_kwargs)
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
