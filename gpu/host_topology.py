@@ -145,7 +145,8 @@ def main() -> None:
             with open(f, "wb") as fh:
                 fh.write(os.urandom(1 << 20) * (nbytes // 4 >> 20))
             files.append(str(f))
-        io_paths.page_cache_read(files, io_paths.pinned(io_paths.total_bytes(files)))  # in the page cache
+        # just written, so in the page cache (a first slow read is one of the median's 5);
+        # each `measure` pins its own buffers: on a node of its own, first touch places them
         every = os.sched_getaffinity(0)
         placed = {n: c & every for n, c in nodes().items() if c & every}
         measure("all allowed cores", nbytes, files)
