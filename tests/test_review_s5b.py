@@ -19,7 +19,7 @@ from fp8_reload.expert_parallel import (
 )
 from fp8_reload.expert_parallel.slots import refresh_merged_input_scales
 from fp8_reload.expert_parallel.transfer import RowMover, plan_moves
-from fp8_reload.expert_parallel.undo import restore, save_scales
+from fp8_reload.expert_parallel.undo import Undo, save_scales
 from fp8_reload.kernels.scales import clear_kernel_caches
 from fp8_reload.reload import generate_weight_name_filter, update_weights_from_disk
 from fp8_reload.state import compare_states, snapshot
@@ -112,8 +112,8 @@ def _simulate(ckpt, old, new, mode, fail_at=None, fail_rank=None):
     out = []
     for r, s in enumerate(st):
         if failed:
-            restore(s["model"], s["layers"], s["mover"], s["moves"], s["scales"], s["mine"],
-                     old, r)
+            Undo(s["model"], s["layers"], s["mover"], s["moves"], s["mine"], old, r,
+                 s["scales"]).restore()
         else:
             s["model"].placement = new
         out.append(s)

@@ -58,7 +58,7 @@ from .placement import Placement
 from .plan import RebalancePlan
 from .slots import RebalanceError, moe_layer_map, refresh_merged_input_scales
 from .transfer import Moves, RowMover, Run, plan_moves
-from .undo import roll_back_together, save_scales
+from .undo import Undo, save_scales
 
 _UNSET = object()  # (a model that has no `checkpoint_path` at all)
 
@@ -205,10 +205,10 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             error = error or e
         t = timer.mark("exchange", t, sync=False)  # posting; waiting is added below
 
-        scales = None
+        undo = Undo(model, layers, mover, moves, mine, old, rank)
         try:  # local copies and backups while the exchange is in flight
             mover.gather(moves.local + moves.backup)
-            scales = save_scales(layers, mine.changed)
+            undo.scales = save_scales(layers, mine.changed)
         except BaseException as e:
             error = error or e
         t = timer.mark("stage", t)
@@ -244,8 +244,8 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             else:
                 model.__dict__["checkpoint_path"] = loaded_from
             if failed:
-                outcome = roll_back_together(model, layers, mover, moves, scales, mine, old, rank,
-                                             touched, error, group, comm, vote=failed != "unknown")
+                outcome = undo.roll_back_together(touched, error, group, comm,
+                                                  vote=failed != "unknown")
                 t = timer.mark("rollback", t)
                 _reraise_interrupt(error)
                 here = f"; here: {type(error).__name__}: {error}" if error is not None else ""
