@@ -23,7 +23,7 @@ parameter combination skips, so select with ``-b`` as `gpu/asv_suite.sh` does.
 
 from __future__ import annotations
 
-from .knobs import ACCURACY_TOKENS, BACKENDS, FRACTIONS, KINDS, ON_CUDA, PRESETS, TOKENS
+from .knobs import ACCURACY_TOKENS, BACKENDS, FRACTIONS, IO_CACHES, KINDS, ON_CUDA, PRESETS, TOKENS
 
 STRATEGIES = ["fixed", "scan-all", "upstream-style"]  # reload.STRATEGIES
 IMPLS = ["upstream", "fixed", "fixed-1-expert"]  # processing.IMPLS
@@ -71,7 +71,7 @@ def forward_cases() -> list[tuple[str, tuple]]:
 IOS = ["limit-h2d", "limit-read", "limit-read-direct", "fp8-reload", "fp8-reload-direct",
        "fp8-reload-staged", "instanttensor", "fastsafetensors", "safetensors"]  # io.IOS
 # (CUDA only: on a CPU one case, which skips, keeps the smoke run short)
-IO_PARAMS = ((PRESETS, KINDS, IOS, ["full", "1/layer"], ["warm", "cold"]) if ON_CUDA
+IO_PARAMS = ((PRESETS, KINDS, IOS, ["full", "1/layer"], IO_CACHES) if ON_CUDA
              else (PRESETS[:1], KINDS[:1], IOS[:1], ["full"], ["warm"]))
 
 

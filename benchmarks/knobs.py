@@ -31,5 +31,8 @@ TOKENS = [int(t) for t in env_list("FP8_RELOAD_BENCH_TOKENS", "128,1024,4096" if
 FRACTIONS = ["1/layer", "10%", "50%", "100%"]
 # Every forward backend the project knows; the ones missing here are skipped.
 BACKENDS = ["torch", "triton", "deep_gemm", "deep_gemm_masked"]
+# Page-cache states of the I/O group's cases (`grouped` measures these; "warm" alone skips
+# the minutes of cold disk reads, e.g. to run the reload and I/O groups in one device call).
+IO_CACHES = env_list("FP8_RELOAD_BENCH_IO_CACHES", "warm,cold")
 # Tokens of the accuracy benchmark (one count: calc_diff hardly depends on it).
 ACCURACY_TOKENS = [512] if ON_CUDA else [64]

@@ -8,6 +8,9 @@
 #                                                # the copy on the device has no .git
 #   BENCH_GROUPS=io bash gpu/asv_suite.sh # the I/O paths beside the limits (benchmarks/io.py:
 #                                         # warm and cold, ~60 figures, minutes of disk reads)
+#   BENCH_GROUPS=reload,io FP8_RELOAD_BENCH_IO_CACHES=warm bash gpu/asv_suite.sh
+#                                         # the reload beside the pinned-copy limit in one run:
+#                                         # the headline judges "vs pinned host-to-device copy"
 #
 # Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
 # H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection

@@ -444,3 +444,21 @@ def test_host_time_per_call_counts_the_final_synchronize_only_when_asked(monkeyp
     assert len(calls) == 7 and len(syncs) == 2
     assert 0.002 <= host < 0.002 + 0.05 / 5  # the final synchronize (50 ms) is not in it
     assert bench.host_time_per_call(fn, 5, to_sync=True) >= 0.002 + 0.05 / 5
+
+
+def test_the_io_group_measures_only_the_page_cache_states_asked_for():
+    """``FP8_RELOAD_BENCH_IO_CACHES=warm``: the I/O group without its cold reads (the reload
+    and I/O groups then fit one device call), every warm case still there."""
+    code = ("from benchmarks import grouped as g; "
+            "print(sorted({p[-1] for _, p in g.io_cases()}), len(g.io_cases()))")
+    root = Path(__file__).resolve().parents[1]
+
+    def cases(**env):
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True, text=True,
+                             capture_output=True,
+                             env={**os.environ, "FP8_RELOAD_BENCH_DEVICE": "cuda", **env})
+        return out.stdout.split("]")[0] + "]", int(out.stdout.split("]")[1])
+
+    both, n_both = cases()
+    warm, n_warm = cases(FP8_RELOAD_BENCH_IO_CACHES="warm")
+    assert both == "['cold', 'warm']" and warm == "['warm']" and 2 * n_warm == n_both > 0
