@@ -11,6 +11,7 @@
 #   BENCH_GROUPS=reload,io FP8_RELOAD_BENCH_IO_CACHES=warm bash gpu/asv_suite.sh
 #                                         # the reload beside the pinned-copy limit in one run:
 #                                         # the headline judges "vs pinned host-to-device copy"
+#                                         # (253 s on a warm H200, 2026-12-05)
 #
 # Time: asv runs each parameter combination in a process of its own, ~4-8 s each on the
 # H200 (spawn, torch + CUDA start, the model slice, 3 samples): the per-process selection
@@ -51,7 +52,13 @@ EOF
 # asv needs a git commit to file results under. The device copy may have no .git:
 # then make a scratch repo here and, if FP8_RELOAD_COMMIT is given, rename afterwards.
 if SHA=$(git rev-parse HEAD 2>/dev/null); then
-  echo "commit $SHA (dirty files: $(git status --porcelain | wc -l))"
+  dirty=$(git status --porcelain | wc -l)
+  echo "commit $SHA (dirty files: $dirty)"
+  if [ "$dirty" -gt 0 ] && [ -z "${FP8_RELOAD_COMMIT:-}" ]; then
+    # (a device copy can carry a .git older than its files: 2026-12-05, HEAD e802b08 + 42 files)
+    echo "WARNING: the results are filed under $SHA, which is not the code that runs here;" \
+         "set FP8_RELOAD_COMMIT=<the commit of these files>"
+  fi
 else
   echo "no git repository here: committing this copy to a scratch repo for asv"
   # branch "main": asv.conf.json names it
