@@ -34,5 +34,8 @@ BACKENDS = ["torch", "triton", "deep_gemm", "deep_gemm_masked"]
 # Page-cache states of the I/O group's cases (`grouped` measures these; "warm" alone skips
 # the minutes of cold disk reads, e.g. to run the reload and I/O groups in one device call).
 IO_CACHES = env_list("FP8_RELOAD_BENCH_IO_CACHES", "warm,cold")
+if not IO_CACHES or set(IO_CACHES) - {"warm", "cold"}:
+    raise ValueError(f"FP8_RELOAD_BENCH_IO_CACHES={os.environ.get('FP8_RELOAD_BENCH_IO_CACHES')!r}: "
+                     "expected warm, cold or warm,cold")
 # Tokens of the accuracy benchmark (one count: calc_diff hardly depends on it).
 ACCURACY_TOKENS = [512] if ON_CUDA else [64]

@@ -15,6 +15,7 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=${PYTHONPATH:-}:$PWD
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 PART=${PART:-all}
+case "$PART" in checks|reviews|io|all) ;; *) echo "PART=$PART: expected checks, reviews, io or all" >&2; exit 2;; esac
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/machine.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/machine.txt"
 nproc | tee -a "$OUT/machine.txt"; free -g | head -2 | tee -a "$OUT/machine.txt"

@@ -448,17 +448,28 @@ def test_host_time_per_call_counts_the_final_synchronize_only_when_asked(monkeyp
 
 def test_the_io_group_measures_only_the_page_cache_states_asked_for():
     """``FP8_RELOAD_BENCH_IO_CACHES=warm``: the I/O group without its cold reads (the reload
-    and I/O groups then fit one device call), every warm case still there."""
-    code = ("from benchmarks import grouped as g; "
-            "print(sorted({p[-1] for _, p in g.io_cases()}), len(g.io_cases()))")
+    and I/O groups then fit one device call), every warm case still there; the asv grid keeps
+    both states (asv replaces a benchmark's results with its grid: a warm-only grid would drop
+    the cold figures a commit's results file already holds)."""
+    code = ("import json; from benchmarks import grouped as g; print(json.dumps("
+            "[sorted({p[-1] for _, p in g.io_cases()}), len(g.io_cases()), g.IOPaths.params[-1]]))")
     root = Path(__file__).resolve().parents[1]
 
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("FP8_RELOAD_BENCH_")}
+
     def cases(**env):
-        out = subprocess.run([sys.executable, "-c", code], cwd=root, check=True, text=True,
-                             capture_output=True,
-                             env={**os.environ, "FP8_RELOAD_BENCH_DEVICE": "cuda", **env})
-        return out.stdout.split("]")[0] + "]", int(out.stdout.split("]")[1])
+        out = subprocess.run([sys.executable, "-c", code], cwd=root, text=True, capture_output=True,
+                             env={**clean, "FP8_RELOAD_BENCH_DEVICE": "cuda", **env})
+        if out.returncode:
+            return out.stderr.strip().splitlines()[-1], None
+        picked, n, grid = json.loads(out.stdout)
+        assert grid == ["warm", "cold"]  # asv keeps the figures of a grid's other cases
+        return picked, n
 
     both, n_both = cases()
     warm, n_warm = cases(FP8_RELOAD_BENCH_IO_CACHES="warm")
-    assert both == "['cold', 'warm']" and warm == "['warm']" and 2 * n_warm == n_both > 0
+    assert both == ["cold", "warm"] and warm == ["warm"] and 2 * n_warm == n_both > 0
+    for bad in ("Warm,cold", ",", "hot"):  # a typo would be measured warm, filed under its name
+        err, _ = cases(FP8_RELOAD_BENCH_IO_CACHES=bad)
+        assert err.startswith("ValueError: FP8_RELOAD_BENCH_IO_CACHES=") and "expected warm" in err
+

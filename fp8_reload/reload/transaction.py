@@ -355,7 +355,7 @@ def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> F
 
     `path`: a checkpoint directory, or a `Checkpoint` already opened (its index and
     config are not parsed again). A device this machine lacks raises
-    `DeviceUnavailableError` before the checkpoint is opened."""
+    `DeviceUnavailableError` before anything is read."""
     device = resolve_device(device)
     mode = get_mode(processing)
     ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)

@@ -173,6 +173,7 @@ H200_DATASHEET = DeviceLimits(H200_HBM_BYTES_PER_S, H200_FP8_FLOP_PER_S, "H200 S
 
 
 def _best_event_ms(fn: Callable[[], object], iters: int) -> float:
+    """The fastest of `iters` calls (CUDA events): a limit is the best the device did."""
     fn()
     torch.cuda.synchronize()
     best = float("inf")
@@ -186,32 +187,39 @@ def _best_event_ms(fn: Callable[[], object], iters: int) -> float:
     return best
 
 
-def measure_device_limits(copy_bytes: int = 1 << 30, gemm_size: int = 8192,
+def measure_device_limits(device="cuda", copy_bytes: int = 1 << 30, gemm_size: int = 8192,
                           iters: int = 10) -> DeviceLimits:
-    """HBM and FP8 rates of this process's CUDA device, best of `iters` each.
+    """HBM and FP8 rates of the CUDA `device`, best of `iters` each.
 
     HBM: one device-to-device copy of `copy_bytes` (each byte read once and written once).
     FP8: one e4m3 x e4m3 -> bf16 `torch._scaled_mm` of `gemm_size` cubed (cuBLAS), which
-    is what a well-tuned dense FP8 GEMM reaches here; where it cannot run, the datasheet's
-    FP8 rate stays, and `source` says so.
+    is what a well-tuned dense FP8 GEMM reaches here. Where this GPU or torch has no FP8
+    GEMM, the H200 datasheet's FP8 rate stands in and `source` says so; running out of
+    memory is raised, not hidden. The allocator's cache is emptied before returning.
     """
-    src = torch.empty(copy_bytes, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    hbm = 2 * copy_bytes / (_best_event_ms(lambda: dst.copy_(src), iters) * 1e-3)
-    src = dst = None  # 2 GiB back before the GEMM's operands
-    source = f"measured: {copy_bytes >> 20} MiB device copy"
-    n = gemm_size
-    try:
-        a = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-        b = torch.randn(n, n, device="cuda").to(torch.float8_e4m3fn)
-        one = torch.ones((), device="cuda")
-        ms = _best_event_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                     out_dtype=torch.bfloat16), iters)
-        fp8 = 2.0 * n ** 3 / (ms * 1e-3)
-        source += f", {n}^3 FP8 torch._scaled_mm"
-    except (RuntimeError, AttributeError) as e:  # no FP8 GEMM on this GPU or torch
-        fp8 = H200_FP8_FLOP_PER_S
-        source += f"; FP8 rate from the H200 datasheet ({type(e).__name__}: {str(e)[:80]})"
+    device = torch.device(device)
+    with torch.cuda.device(device):
+        src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
+        dst = torch.empty_like(src)
+        hbm = 2 * copy_bytes / (_best_event_ms(lambda: dst.copy_(src), iters) * 1e-3)
+        src = dst = None  # 2 GiB back before the GEMM's operands
+        source = f"measured: {copy_bytes >> 20} MiB device copy"
+        n = gemm_size
+        try:
+            a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+            b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
+            one = torch.ones((), device=device)
+            ms = _best_event_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                         out_dtype=torch.bfloat16), iters)
+            fp8 = 2.0 * n ** 3 / (ms * 1e-3)
+            source += f", {n}^3 FP8 torch._scaled_mm"
+        except torch.OutOfMemoryError:
+            raise
+        except (RuntimeError, AttributeError) as e:  # no FP8 GEMM on this GPU or torch
+            fp8 = H200_FP8_FLOP_PER_S
+            source += f"; FP8 rate from the H200 datasheet ({type(e).__name__}: {str(e)[:80]})"
+        a = b = None
+        torch.cuda.empty_cache()
     return DeviceLimits(hbm, fp8, source)
 
 

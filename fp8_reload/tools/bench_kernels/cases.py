@@ -85,7 +85,7 @@ class Bench:
         """The roofline's rates: measured once on the GPU the cases run on."""
         if self.limits is None:
             on_cuda = str(self.device).startswith("cuda")
-            self.limits = measure_device_limits() if on_cuda else H200_DATASHEET
+            self.limits = measure_device_limits(self.device) if on_cuda else H200_DATASHEET
         return self.limits
 
     def layer(self, kind: str = "fp8"):

@@ -29,7 +29,7 @@ NOTES = {
                 f"float32 reference of the same FP8 weights (bound {MOE_LAYER_BOUND:g}). Roofline: "
                 "`gb_s` is the bytes a forward must move (FP8 weights of every expert a token is routed "
                 "to, bf16 tokens in and out) over the faster of `ms` and `graph_ms`; `roofline_ms` the "
-                "least time the roofline limits above allow (measured in the same run on a CUDA device) "
+                "least time the roofline limits above allow (each says where it came from) "
                 "and `of_roofline` how close the forward comes to it."),
 }
 
