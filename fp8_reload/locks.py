@@ -25,147 +25,171 @@ inside a forward of the same model would deadlock and raises instead: the
 reload asks `held_for_reading` before it takes the model's reload lock, since
 waiting for that lock (held by another reload, itself waiting for this forward
 to finish) would deadlock just as surely as waiting for the write lock.
+
+Ctrl-C: Python runs a signal's handler at the start of any Python function, so a
+KeyboardInterrupt can land between a `with` body and the code that gives a lock
+back when that code is Python (a `@contextmanager`'s frames, an `__exit__`):
+the lock then stayed taken while the exception's traceback lived (a notebook
+keeps it), and every reload waited for that forward forever. Each access is
+therefore a `_Hold`, an `RLock` given back by RLock's own `__exit__`, in C: no
+Python frame starts between the body and the release. Whoever waits for an
+access waits on its hold, so the release wakes them without running Python. A
+reload holds its write access (`commit_hold`) in a `with` from its start and
+takes it only for the commit.
 """
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import threading
-from contextlib import contextmanager
 
 from .interrupts import sigint_deferred
 
-# How often a wait for the lock looks whether a Ctrl-C came meanwhile (it is held back
-# while the lock's own counts change; see `WeightsLock`).
+# How long one wait lasts before it looks whether a Ctrl-C came meanwhile (held back
+# while the lock's bookkeeping changes; see `_Hold`).
 _POLL_S = 0.05
 
 
-class WeightsLock:
-    """Reader/writer lock with writer preference and per-thread re-entry.
+class _Hold(_thread.RLock):
+    """One thread's read or write access, given back by RLock's own `__exit__` (C). It
+    counts once `registered` by the lock; while its RLock is held it stays taken."""
 
-    Its counts change with Ctrl-C held back (`sigint_deferred`): a KeyboardInterrupt
-    can land at any Python call, and one landing between a count taken and the `try`
-    that gives it back (or inside the condition's own `__exit__`) would leave every
-    later reload, or every forward, waiting forever. A Ctrl-C during a wait for the
-    lock ends the wait (within `_POLL_S`) with nothing taken, then is raised."""
+    def __init__(self, lock: WeightsLock, write: bool):
+        self._weights_lock, self._write, self.registered = lock, write, False
+
+    def take(self) -> None:
+        """Wait for this access's turn and register it (the caller holds the RLock)."""
+        while not self.registered:  # (a Ctrl-C whose handler did not raise: wait again)
+            self._weights_lock._take(self, self._write)
+
+
+class _Entering(_Hold):
+    """Taken by `with` itself: `__enter__` holds the RLock, then waits its turn, giving it
+    back if anything interrupts it before the body starts; entered again by its owner (a
+    nested forward, a writer's re-entry) it only counts a level more."""
+
+    def __enter__(self):
+        again = self._is_owned()
+        self.acquire()
+        if not again:
+            try:
+                self.take()
+            except BaseException:
+                self.release()
+                raise
+        return self
+
+
+def _given_back(hold: _Hold) -> bool:
+    """Whether `hold` is free: never taken again once given back."""
+    if hold._is_owned() or not hold.acquire(blocking=False):
+        return False
+    hold.release()
+    return True
+
+
+class WeightsLock:
+    """Reader/writer lock with writer preference and per-thread re-entry (see the module)."""
 
     def __init__(self):
         self._cond = threading.Condition(threading.Lock())
-        self._readers = 0  # threads holding read access
-        self._writer = None  # ident of the thread holding write access
-        self._write_depth = 0
+        self._readers: set[_Hold] = set()  # forwards' holds (given back ones pruned)
+        self._writer: _Hold | None = None
         self._writers_waiting = 0
-        self._local = threading.local()
+        self._local = threading.local()  # .hold: this thread's forward
 
-    def _read_depth(self) -> int:
-        return getattr(self._local, "depth", 0)
+    def _prune(self) -> None:
+        """Under the condition: forget holds given back."""
+        self._readers = {h for h in self._readers if not _given_back(h)}
+        if self._writer is not None and _given_back(self._writer):
+            self._writer = None
 
-    def _wait_for(self, free, stop: list) -> bool:
-        """Under the condition: wait until `free()`, or a Ctrl-C held back (`stop`)."""
-        while not free():
-            if stop:
-                return False
+    def _wait_on(self, busy: _Hold | None) -> None:
+        """Under the condition: wait (at most `_POLL_S`) for `busy` to be given back, or
+        for a notification when there is no hold to wait on."""
+        if busy is None:
             self._cond.wait(_POLL_S)
-        return True
+            return
+        if busy._is_owned():  # (a caller's bug, not a wait: it would never end)
+            raise RuntimeError("the weights lock would wait for this thread's own access")
+        self._cond.release()
+        try:
+            if busy.acquire(timeout=_POLL_S):
+                busy.release()
+        finally:
+            self._cond.acquire()
 
-    def _take(self, taking, held: list) -> None:
-        """`taking(stop)` under the condition with Ctrl-C held back; `held` gets a token
-        once it took the lock, inside the hold (a Ctrl-C raised as the hold ends finds it
-        there), and the release clears it (giving back twice gives back once)."""
+    def _take(self, hold: _Hold, write: bool) -> None:
+        """Register `hold` once its turn comes, with Ctrl-C held back: one ends the wait
+        within `_POLL_S`, nothing registered, and is raised as the hold ends."""
         stop: list = []
         with sigint_deferred(then=lambda: stop.append(True)), self._cond:
-            if taking(stop):
-                held.append(True)
-
-    def _give_back(self, held: list, release) -> None:
-        """`release()` under the condition with Ctrl-C held back, if `held` still holds its
-        token. The caller calls it again when a Ctrl-C cut it short (any Python call can
-        take one as it starts, before the hold is in place): the second call gives back
-        what the first did not, or nothing."""
-        with sigint_deferred(), self._cond:
-            if held:
-                held.clear()
-                release()
-                self._cond.notify_all()
-
-    def _take_read(self, stop: list) -> bool:
-        if not self._wait_for(lambda: self._writer is None and not self._writers_waiting, stop):
-            return False
-        self._readers += 1
-        return True
-
-    def _take_write(self, stop: list) -> bool:
-        self._writers_waiting += 1
-        try:
-            if not self._wait_for(lambda: self._writer is None and not self._readers, stop):
-                return False
-        finally:
-            self._writers_waiting -= 1
-            self._cond.notify_all()  # (forwards held back by this waiting writer)
-        self._writer = threading.get_ident()
-        self._write_depth = 1
-        return True
-
-    def _release_read(self) -> None:
-        self._readers -= 1
-
-    def _release_write(self) -> None:
-        self._writer = None
-        self._write_depth = 0
-
-    @contextmanager
-    def read(self):
-        depth = self._read_depth()
-        held: list = []
-        try:  # (entered before the count is taken: a Ctrl-C after it still gives it back)
-            if depth == 0 and self._writer != threading.get_ident():
-                self._take(self._take_read, held)
-            self._local.depth = depth + 1
-            yield
-        finally:
-            self._local.depth = depth
-            if held:
-                try:
-                    self._give_back(held, self._release_read)
-                except BaseException:  # (see _give_back)
-                    self._give_back(held, self._release_read)
-                    raise
-
-    @contextmanager
-    def write(self):
-        me = threading.get_ident()
-        if self._writer == me:
-            self._write_depth += 1
+            self._writers_waiting += write
             try:
-                yield
+                while not stop:
+                    self._prune()
+                    if self._writer is None and not (self._readers if write else self._writers_waiting):
+                        if write:
+                            self._writer = hold
+                        else:
+                            self._readers.add(hold)
+                        hold.registered = True
+                        return
+                    self._wait_on(self._writer or (next(iter(self._readers)) if write else None))
             finally:
-                self._write_depth -= 1
-            return
-        if self._read_depth():
+                if write:
+                    self._writers_waiting -= 1
+                    self._cond.notify_all()  # (forwards held back by this waiting writer)
+
+    def _writer_is_me(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer._is_owned()
+
+    def read(self):
+        """A forward's access: `with lock.read(): ...`."""
+        if self._writer_is_me():
+            return contextlib.nullcontext()  # the committing thread sees its own writes
+        hold = getattr(self._local, "hold", None)
+        if hold is None or not hold._is_owned():
+            hold = self._local.hold = _Entering(self, write=False)
+        return hold
+
+    def write(self):
+        """Write access taken by `with lock.write(): ...`."""
+        self._refuse_inside_forward()
+        return self._writer if self._writer_is_me() else _Entering(self, write=True)
+
+    def commit_hold(self) -> _Hold:
+        """Write access for a reload: `with hold:` holds it from the start (nothing is taken
+        yet), `hold.take()` takes it when the commit comes, and the `with`'s end (C) gives
+        it back, whatever interrupts the reload in between."""
+        self._refuse_inside_forward()
+        if self._writer_is_me():  # a reload inside this thread's own write (a rebalance's disk read)
+            return self._writer
+        return _Hold(self, write=True)
+
+    def _refuse_inside_forward(self) -> None:
+        if self.held_for_reading:
             raise RuntimeError("cannot write the weights from inside a forward of the same "
                                "model (it would wait for itself)")
-        held: list = []
-        try:
-            self._take(self._take_write, held)
-            yield
-        finally:
-            if held:
-                try:
-                    self._give_back(held, self._release_write)
-                except BaseException:  # (see _give_back)
-                    self._give_back(held, self._release_write)
-                    raise
 
     @property
     def held_for_reading(self) -> bool:
         """Whether the calling thread is inside a forward (holds read access) and not
         the writer: it must not wait for anything that waits for the write lock."""
-        return self._read_depth() > 0 and self._writer != threading.get_ident()
+        hold = getattr(self._local, "hold", None)
+        return hold is not None and hold._is_owned() and not self._writer_is_me()
 
     @property
     def readers(self) -> int:
         """Forwards running now (for tests and diagnostics)."""
-        return self._readers
+        with self._cond:
+            self._prune()
+            return len(self._readers)
 
     @property
     def writing(self) -> bool:
-        return self._writer is not None
+        with self._cond:
+            self._prune()
+            return self._writer is not None

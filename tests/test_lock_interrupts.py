@@ -10,6 +10,7 @@ reload on another thread done in time, the model whole.
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import sys
 import threading
@@ -24,7 +25,10 @@ import fp8_reload.locks as locks
 
 from .conftest import WAIT, tokens
 
-WATCHED = {Path(locks.__file__).resolve(), Path(interrupts.__file__).resolve()}
+# contextlib: a `@contextmanager`'s frames between a `with` body and its `finally` (review
+# s27: a Ctrl-C there left a forward's read count, or a reload's locks, taken)
+WATCHED = {Path(locks.__file__).resolve(), Path(interrupts.__file__).resolve(),
+           Path(contextlib.__file__).resolve()}
 pytestmark = pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
                                 reason="signals reach the main thread only")
 
@@ -79,7 +83,7 @@ def test_a_ctrl_c_at_any_call_of_the_lock_leaves_it_idle(ckpts, tiny_cfg, what):
     model = fr.load_model(ckpts["fp8", 0], device="cpu")
     x = tokens(tiny_cfg, n=4)
     want = fr.snapshot(fr.load_model(ckpts["fp8", 1], device="cpu"))
-    n, interrupted = 0, 0
+    n, interrupted, kept = 0, 0, []
     while True:
         n += 1
         tracer, seen = _sigint_at_call(n)
@@ -89,11 +93,14 @@ def test_a_ctrl_c_at_any_call_of_the_lock_leaves_it_idle(ckpts, tiny_cfg, what):
                 model(x)
             else:
                 fr.update_weights_from_disk(model, ckpts["fp8", n % 2])
-        except KeyboardInterrupt:
+        except KeyboardInterrupt as e:
             interrupted += 1
+            kept.append(e)  # alive, as a notebook keeps the last one (with its frames)
         finally:
             sys.settrace(None)
         assert _idle(model.weights_lock) == [], (what, n)
+        running = model.__dict__.get("_reload_running")
+        assert not model.reload_lock._is_owned() and not (running and running._is_owned()), n
         if seen[0] < n:  # the run made fewer calls: every one has had its Ctrl-C
             break
     assert interrupted == n - 1, (interrupted, n)  # each Ctrl-C reached the caller
@@ -129,7 +136,9 @@ def test_a_ctrl_c_while_a_forward_waits_for_a_commit_ends_the_wait(ckpts, tiny_c
     assert _idle(model.weights_lock) == []
 
 
-@pytest.mark.parametrize("at", ["clear_kernel_caches", "_give_back"])
+# ("nullcontext.__exit__", -1): the last Python call of a reload on CPU, as the `with` of its
+# locks ends (`current_cuda`'s exit; the locks are given back right after it, by C code)
+@pytest.mark.parametrize("at", [("clear_kernel_caches", 1), ("nullcontext.__exit__", -1)])
 def test_a_ctrl_c_once_the_commit_is_over_leaves_the_new_weights_named(ckpts, at):
     """After the drain the reload has happened: a Ctrl-C then (kernel caches cleared, the
     weights lock given back) reaches the caller, and the model holds the new weights, every
@@ -137,10 +146,25 @@ def test_a_ctrl_c_once_the_commit_is_over_leaves_the_new_weights_named(ckpts, at
     model = fr.load_model(ckpts["fp8", 0], device="cpu")
     ids = {name: p for name, p in model.named_parameters()}
 
-    def tracer(frame, event, arg):
-        if event == "call" and frame.f_code.co_name == at:
+    name, nth = at
+    calls = []
+    if nth < 0:  # counted on a reload of another model like it
+        other = fr.load_model(ckpts["fp8", 0], device="cpu")
+        sys.settrace(lambda frame, event, arg: calls.append(1) if (
+            event == "call" and frame.f_code.co_qualname == name) else None)
+        try:
+            fr.update_weights_from_disk(other, ckpts["fp8", 1])
+        finally:
             sys.settrace(None)
-            signal.raise_signal(signal.SIGINT)
+        nth, calls = len(calls) + 1 + nth, []
+        assert nth > 0
+
+    def tracer(frame, event, arg):
+        if event == "call" and frame.f_code.co_qualname == name:
+            calls.append(1)
+            if len(calls) == nth:
+                sys.settrace(None)
+                signal.raise_signal(signal.SIGINT)
 
     sys.settrace(tracer)
     try:
@@ -154,3 +178,69 @@ def test_a_ctrl_c_once_the_commit_is_over_leaves_the_new_weights_named(ckpts, at
     assert Path(model.checkpoint_path) == Path(ckpts["fp8", 1]).resolve()
     assert _idle(model.weights_lock) == []
     fr.update_weights_from_disk(model, ckpts["fp8", 0], fr.generate_weight_name_filter({1: [0]}))
+
+
+_STORM = r"""
+import os, signal, sys, threading, time, random
+import torch
+import fp8_reload as fr
+
+model = fr.load_model(sys.argv[1])
+x = torch.randn(4, model.config.hidden_size).to(torch.bfloat16)
+forward = sys.argv[2] == "forward"
+kept, stop = [], [False]
+
+def ctrl_c():
+    while not stop[0]:
+        time.sleep(random.uniform(0, 0.002))
+        os.kill(os.getpid(), signal.SIGINT)
+
+def run(deadline):
+    while time.time() < deadline:
+        try:
+            if forward:
+                model(x)
+            else:
+                with model.weights_lock.read():
+                    pass
+        except KeyboardInterrupt as e:
+            kept.append(e)  # as a notebook keeps the last one: its frames stay alive
+
+threading.Thread(target=ctrl_c, daemon=True).start()
+deadline = time.time() + float(sys.argv[3])
+while True:
+    try:
+        run(deadline)
+        break
+    except KeyboardInterrupt as e:
+        kept.append(e)
+while True:
+    try:
+        stop[0] = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        break
+    except KeyboardInterrupt as e:
+        kept.append(e)
+done = threading.Event()
+threading.Thread(target=lambda: (fr.update_weights_from_disk(model, sys.argv[1]), done.set()),
+                 daemon=True).start()
+print(len(kept), model.weights_lock.readers, model.weights_lock.writing, done.wait(10))
+"""
+
+
+@pytest.mark.parametrize("what", ["bare", "forward"])
+def test_real_ctrl_cs_at_random_never_leave_the_lock_taken(ckpts, what):
+    """Review s27: real SIGINTs every ~1 ms against forwards, each KeyboardInterrupt kept
+    alive. A `@contextmanager` lock left its read count taken when one landed in
+    contextlib's frames (after its `__enter__` resumed the generator, or as its `__exit__`
+    began): a reload on another thread then waited forever (after 2 to 46 Ctrl-Cs)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", _STORM, str(ckpts["fp8", 0]), what, "3"],
+                         cwd=root, capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})
+    assert out.returncode == 0, out.stderr[-2000:]
+    caught, readers, writing, reloaded = out.stdout.split()
+    assert int(caught) > 50, out.stdout  # the storm reached the forwards
+    assert (readers, writing, reloaded) == ("0", "False", "True"), out.stdout

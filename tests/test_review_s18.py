@@ -59,7 +59,7 @@ def _inject(m, model, phase, exc, after: bool) -> None:
     elif phase in ("begin", "start_on_demand", "complete"):
         m.setattr(bk.Backup, phase, _raise(exc, getattr(bk.Backup, phase) if after else None))
     elif phase == "_take_lock" and not isinstance(exc, KeyboardInterrupt):  # (the lock's own error)
-        m.setattr(type(model.weights_lock), "write", _raise(RuntimeError("injected: lock")))
+        m.setattr(type(model.weights_lock), "_take", _raise(RuntimeError("injected: lock")))
     else:
         m.setattr(tx, phase, _raise(exc, getattr(tx, phase) if after and phase in ("commit", "prepare")
                                     else None))

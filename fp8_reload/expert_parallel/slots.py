@@ -30,6 +30,7 @@ def load_rank_model(path, placement: Placement, rank: int, device="cpu",
     ckpt = Checkpoint(path)
     placement.check_fits(ckpt.config)
     model = load_model(ckpt, device=device, processing=processing, **placement.model_kwargs(rank))
+    placement.check_fits(model.config)  # (the directory may have been replaced meanwhile)
     model.placement = placement
     model.ep_rank = rank
     return model

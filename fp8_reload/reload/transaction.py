@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import threading
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -132,34 +132,30 @@ class _Progress:
             yield name, tensor
 
 
-@contextmanager
 def _exclusive(model: FP8MoEModel, path):
-    """Hold the model's reload lock, refusing the two calls that could never get it:
-    a reload from inside a forward of this model (another reload may hold the lock
-    while it waits for that very forward to finish: a deadlock, whoever came
-    first), and one from inside a reload of this model on the same thread (a hook
-    or loader calling back would re-enter the transaction half-way)."""
-    me = threading.get_ident()
+    """The locks a reload holds, for one `with` (each given back by C code: no Ctrl-C can
+    land between a `with` body and their release), refusing the two calls that could
+    never get them: a reload from inside a forward of this model (another reload may hold
+    the lock while it waits for that very forward to finish: a deadlock, whoever came
+    first), and one from inside a reload of this model on the same thread (a hook or
+    loader calling back would re-enter the transaction half-way)."""
     if model.weights_lock.held_for_reading:
         raise ReloadError(f"{Path(path)}: cannot write the weights from inside a forward of the "
                           "same model (it would wait for itself); nothing was written")
-    if model.__dict__.get("_reload_thread") == me:
+    running = model.__dict__.setdefault("_reload_running", threading.RLock())
+    if running._is_owned():
         raise ReloadError(f"{Path(path)}: a reload of this model is already running on this "
                           "thread (this call comes from inside it); nothing was written")
-    with model.reload_lock:
-        model.__dict__["_reload_thread"] = me
-        try:
-            yield
-        finally:
-            model.__dict__["_reload_thread"] = None
+    return model.reload_lock, running, model.weights_lock.commit_hold()
 
 
-def _take_lock(model, held: ExitStack, timer: _Timer, path) -> None:
-    """Take the weights lock into `held`: running forwards finish, new ones queue."""
+def _take_lock(held, timer: _Timer, path) -> None:
+    """Take the weights lock (`held`, entered by the reload): running forwards finish,
+    new ones queue."""
     with timer.phase("wait"):
         try:
-            held.enter_context(model.weights_lock.write())
-        except RuntimeError as e:  # a reload from inside a forward of this model
+            held.take()
+        except RuntimeError as e:
             raise ReloadError(f"{path}: {e}; nothing was written") from e
 
 
@@ -209,7 +205,8 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     timer = _Timer(report.seconds)
     t0 = time.perf_counter()
     device = model_device(model) or torch.device("cpu")  # looked up once: a walk of the model
-    with _exclusive(model, path), current_cuda(device):
+    reload_lock, running, held = _exclusive(model, path)
+    with reload_lock, running, held, current_cuda(device):
         undefined = getattr(model, "weights_undefined", None)
         if undefined and weight_name_filter is not None:
             raise RollbackError(f"refusing a filtered reload: {undefined}; only a full reload "
@@ -217,14 +214,11 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
         stats: dict = {}
         streaming = ENGINE == "stream" and not scan_all
         cuda = device.type == "cuda"
-        saved, progress, held = None, _Progress(), ExitStack()  # (`held`: the weights lock)
+        saved, progress = None, _Progress()
 
-        def abandon() -> None:  # failed before the commit: no copy left running, no lock held
-            try:
-                if saved is not None:
-                    saved.settle()
-            finally:
-                held.close()
+        def abandon() -> None:  # failed before the commit: no copy left running
+            if saved is not None:
+                saved.settle()
 
         with nothing_written(path, on_failure=abandon):
             with timer.phase("plan"):
@@ -247,7 +241,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
             # device synchronization under the lock waits for what is queued before it
             early = streaming and weight_name_filter is None and bool(now) and now >= kinds.files
             if early:
-                _take_lock(model, held, timer, ckpt.path)
+                _take_lock(held, timer, ckpt.path)
                 _drain_device(model, timer, device, progress)
             if streaming:  # planned first: on a GPU its first piece is copied while the host reads
                 with timer.phase("backup"):
@@ -277,7 +271,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
         with held:
             if not early:
                 try:  # (a Ctrl-C while forwards drain: the begun backup's copies are waited for)
-                    _take_lock(model, held, timer, ckpt.path)
+                    _take_lock(held, timer, ckpt.path)
                 except BaseException:
                     saved.settle()
                     raise
@@ -353,12 +347,12 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
 def load_model(path, device="cpu", processing: str = "fixed", **moe_kwargs) -> FP8MoEModel:
     """Build the model a checkpoint describes on `device` and load it (a fresh load).
 
-    `path`: a checkpoint directory, or a `Checkpoint` already opened (its index and
-    config are not parsed again). A device this machine lacks raises
-    `DeviceUnavailableError` before anything is read."""
+    `path`: a directory, or an opened `Checkpoint` (its parse kept while its files are
+    unchanged). A device this machine lacks raises `DeviceUnavailableError` first."""
     device = resolve_device(device)
     mode = get_mode(processing)
-    ckpt = path if isinstance(path, Checkpoint) else Checkpoint(path)
+    reuse = isinstance(path, Checkpoint) and path.unchanged()
+    ckpt = path if reuse else Checkpoint(getattr(path, "path", path))
     try:
         model = FP8MoEModel(ckpt.config, mode, ckpt.kind, device=device, **moe_kwargs)
     except (RuntimeError, ValueError, OverflowError, MemoryError) as e:
