@@ -71,13 +71,13 @@ class _Entering(_Hold):
 
     def __enter__(self):
         again = self._is_owned()
-        self.acquire()
-        if not again:
-            try:
+        try:  # (acquiring an owned or fresh RLock never waits: a Ctrl-C comes after it)
+            self.acquire()
+            if not again:
                 self.take()
-            except BaseException:
-                self.release()
-                raise
+        except BaseException:
+            self.release()  # the level this call took
+            raise
         return self
 
 
