@@ -74,6 +74,8 @@ class _Entering(_Hold):
         try:  # (acquiring an owned or fresh RLock never waits: a Ctrl-C comes after it)
             self.acquire()
             if not again:
+                if self.registered:  # given back since: an access is entered once
+                    raise RuntimeError("this weights-lock access was used already; ask for a new one")
                 self.take()
         except BaseException:
             self.release()  # the level this call took
@@ -184,12 +186,12 @@ class WeightsLock:
     @property
     def readers(self) -> int:
         """Forwards running now (for tests and diagnostics)."""
-        with self._cond:
+        with sigint_deferred(), self._cond:  # (pruning holds a given-back hold an instant)
             self._prune()
             return len(self._readers)
 
     @property
     def writing(self) -> bool:
-        with self._cond:
+        with sigint_deferred(), self._cond:
             self._prune()
             return self._writer is not None

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from contextlib import ExitStack, suppress
+from contextlib import nullcontext, suppress
 from dataclasses import dataclass, field
 
 import torch
@@ -213,13 +213,18 @@ def rebalance(model: FP8MoEModel, new: Placement | None, *, mode: str = "p2p",
             error = error or e
         t = timer.mark("stage", t)
 
-        with ExitStack() as held:
+        try:  # (entered by a plain `with`: given back by C code, see locks)
+            access = model.weights_lock.commit_hold()
+        except RuntimeError as e:  # called from inside a forward of this model
+            error, access = error or e, None
+        with access if access is not None else nullcontext():
             # From here the model changes: running forwards finish, new ones wait.
-            try:
-                held.enter_context(model.weights_lock.write())
-                locked = True
-            except RuntimeError as e:  # called from inside a forward of this model
-                error, locked = error or e, False
+            locked = access is not None
+            if locked:
+                try:
+                    access.take()
+                except RuntimeError as e:  # (it would wait for this thread's own access)
+                    error, locked = error or e, False
             try:
                 synchronize(device)
             except BaseException as e:
