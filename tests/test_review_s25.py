@@ -125,6 +125,9 @@ def test_release_staging_inside_a_forward_with_no_reload_is_refused_too(ckpts, t
     ([2.7], "expert 2.7 is not a whole number"),  # was expert 2
     ([1.0], "expert 1.0 is not a whole number"),
     ([np.float32(1)], "is not a whole number"),
+    ([False, True], "expert False is a bool"),  # (s27) was experts 0 and 1
+    ([np.bool_(True)], "is a bool"),
+    ([torch.tensor(True)], "is a bool"),
 ])
 def test_an_expert_filter_refuses_what_is_not_a_list_of_experts(experts, says):
     with pytest.raises(TypeError, match=f"layer 1.*{says}"):
@@ -141,6 +144,8 @@ def test_an_expert_filter_takes_every_kind_of_whole_number(ckpts):
     assert all(type(e) is int for f in filters for es in f.layer_experts.values() for e in es)
     with pytest.raises(TypeError, match="takes {layer: experts}"):
         fr.generate_weight_name_filter([(1, [0])])
+    with pytest.raises(TypeError, match="layer True is a bool"):  # (s27) was layer 1
+        fr.generate_weight_name_filter({True: [0]})
     model = fr.load_model(ckpts["fp8", 0])
     report = fr.update_weights_from_disk(model, ckpts["fp8", 1], filters[3])
     assert report.experts_reloaded == {1: [0, 2]}

@@ -52,7 +52,9 @@ class ExpertFilter:
 def _whole(value, what: str) -> int:
     """`value` as an int where it is one: an int, a numpy or 0-d tensor integer, or decimal
     digits (the keys of a plan read from JSON). A float is refused: ``int(2.7)`` would quietly
-    name another expert."""
+    name another expert; so is a bool (``True`` would name expert 1)."""
+    if type(value).__name__ in ("bool", "bool_") or getattr(value, "dtype", None) == torch.bool:
+        raise TypeError(f"generate_weight_name_filter: {what} {value!r} is a bool, not an id")
     if isinstance(value, str) and value.strip().isdecimal():
         return int(value)
     try:
