@@ -26,8 +26,8 @@ def flush_l2(buf: torch.Tensor | None) -> None:
 
 
 def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
-                 flush_mb: int = 0, device="cuda") -> float:
-    """Median wall time of one call on the GPU stream, CUDA events around each call.
+                 flush_mb: int = 0, device="cuda", stat=statistics.median) -> float:
+    """Median (`stat`) wall time of one call on the GPU stream, CUDA events around each call.
 
     With `flush_mb`, that many MiB are zeroed before each call (outside the
     events) so the call starts with a cold L2. On CPU: median perf_counter time.
@@ -38,7 +38,7 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times[warmup:])
+        return stat(times[warmup:])
     buf = torch.empty(flush_mb << 18, dtype=torch.float32, device="cuda") if flush_mb else None
     for _ in range(warmup):
         fn()
@@ -51,7 +51,7 @@ def cuda_time_ms(fn: Callable[[], object], iters: int = 20, warmup: int = 3,
         end.record()
         pairs.append((start, end))
     synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in pairs)
+    return stat([s.elapsed_time(e) for s, e in pairs])
 
 
 def host_time_per_call(fn: Callable[[], object], n: int, warmup: int = 0, to_sync: bool = False) -> float:
@@ -172,21 +172,6 @@ class DeviceLimits:
 H200_DATASHEET = DeviceLimits(H200_HBM_BYTES_PER_S, H200_FP8_FLOP_PER_S, "H200 SXM datasheet")
 
 
-def _best_event_ms(fn: Callable[[], object], iters: int) -> float:
-    """The fastest of `iters` calls (CUDA events): a limit is the best the device did."""
-    fn()
-    torch.cuda.synchronize()
-    best = float("inf")
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end))
-    return best
-
-
 def measure_device_limits(device="cuda", copy_bytes: int = 1 << 30, gemm_size: int = 8192,
                           iters: int = 10) -> DeviceLimits:
     """HBM and FP8 rates of the CUDA `device`, best of `iters` each.
@@ -201,7 +186,8 @@ def measure_device_limits(device="cuda", copy_bytes: int = 1 << 30, gemm_size: i
     with torch.cuda.device(device):
         src = torch.empty(copy_bytes, dtype=torch.uint8, device=device)
         dst = torch.empty_like(src)
-        hbm = 2 * copy_bytes / (_best_event_ms(lambda: dst.copy_(src), iters) * 1e-3)
+        best = dict(iters=iters, warmup=1, device=device, stat=min)  # a limit: the best it did
+        hbm = 2 * copy_bytes / (cuda_time_ms(lambda: dst.copy_(src), **best) * 1e-3)
         src = dst = None  # 2 GiB back before the GEMM's operands
         source = f"measured: {copy_bytes >> 20} MiB device copy"
         n = gemm_size
@@ -209,8 +195,8 @@ def measure_device_limits(device="cuda", copy_bytes: int = 1 << 30, gemm_size: i
             a = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
             b = torch.randn(n, n, device=device).to(torch.float8_e4m3fn)
             one = torch.ones((), device=device)
-            ms = _best_event_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
-                                                         out_dtype=torch.bfloat16), iters)
+            ms = cuda_time_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=one, scale_b=one,
+                                                       out_dtype=torch.bfloat16), **best)
             fp8 = 2.0 * n ** 3 / (ms * 1e-3)
             source += f", {n}^3 FP8 torch._scaled_mm"
         except torch.OutOfMemoryError:
