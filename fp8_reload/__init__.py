@@ -33,7 +33,7 @@ _EXPORTS = {
         "BackendUnavailable", "CheckpointNotFoundError", "UnreadableCheckpointError",
         "CorruptCheckpointError", "MissingTensorError", "InvalidTensorError",
         "UnsupportedCheckpointError", "UnsafeCheckpointError", "CommitError", "RollbackError",
-        "DeviceUnavailableError")},
+        "DeviceUnavailableError", "UnknownExpertError")},
 }
 # Subpackages and modules reachable as attributes (`fr.kernels.run_moe`, `fr.state`).
 _SUBMODULES = ("version", "errors", "config", "quant", "trace", "locks", "device", "kernels", "layers",
@@ -48,7 +48,7 @@ __all__ = [
     "compare_states", "CheckpointNotFoundError", "UnreadableCheckpointError",
     "CorruptCheckpointError", "MissingTensorError", "InvalidTensorError",
     "UnsupportedCheckpointError", "UnsafeCheckpointError", "CommitError", "RollbackError",
-    "DeviceUnavailableError", "release_staging", "state",
+    "DeviceUnavailableError", "UnknownExpertError", "release_staging", "state",
 ]
 
 

@@ -20,6 +20,7 @@ checkpoint) without parsing messages; the message names the file and tensor.
     ├── CheckpointMismatchError       does not fit the model: config, shape, dtype, name
     ├── DeviceUnavailableError        the device asked for cannot be used here (no CUDA)
     ├── FilterMatchedNothingError     the weight_name_filter selected nothing
+    │   └── UnknownExpertError        ... for an expert the model does not have
     ├── CommitError                   writing or post-processing failed; rolled back
     └── RollbackError                 ... and the rollback failed too: state undefined
 """
@@ -76,6 +77,12 @@ class DeviceUnavailableError(ReloadError):
 
 class FilterMatchedNothingError(ReloadError):
     """A weight_name_filter selected no tensor of the checkpoint."""
+
+
+class UnknownExpertError(FilterMatchedNothingError):
+    """An expert filter names an expert the model does not have (a layer without experts,
+    an id past the layer's last): it could select nothing, and a reload that quietly
+    skipped it would leave the expert the caller meant to replace as it was."""
 
 
 class CommitError(ReloadError):

@@ -381,8 +381,8 @@ def _bad_scale(value: float):
     return build
 
 
-def filter_matches_nothing(good, work, kind, cfg):
-    return good, [str(good), "matched none"]
+def filter_names_unknown_expert(good, work, kind, cfg):
+    return good, [str(good), "layer 2 expert 99"]
 
 
 def pickle_only(good, work, kind, cfg):
@@ -589,8 +589,8 @@ CASES: list[BadCase] = [
     BadCase("zero-scale", "weight_scale is 0", E.InvalidTensorError, _bad_scale(0.0), kinds=("fp8",)),
     BadCase("negative-scale", "weight_scale is negative", E.InvalidTensorError, _bad_scale(-0.5),
             kinds=("fp8",)),
-    BadCase("filter-matches-nothing", "weight_name_filter selects no tensor",
-            E.FilterMatchedNothingError, filter_matches_nothing, layer_experts={2: [99]},
+    BadCase("filter-names-unknown-expert", "weight_name_filter names an expert the model lacks",
+            E.UnknownExpertError, filter_names_unknown_expert, layer_experts={2: [99]},
             bad_alone=False),
     BadCase("pickle-only", "only a pytorch_model.bin (armed pickle)", E.UnsafeCheckpointError,
             pickle_only, plants_pickle=True),

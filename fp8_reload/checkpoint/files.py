@@ -62,6 +62,23 @@ def os_error(e: OSError | ValueError, file) -> CheckpointError:
     return UnreadableCheckpointError(f"{file}: cannot read: {e.strerror or e}")
 
 
+def directory_path(path) -> Path:
+    """`path` (a str or `os.PathLike`) as a `Path`, refusing an empty one: ``Path("")`` is
+    the current directory, and a server that reloaded from wherever it was started (a
+    config value left blank) would serve other weights than the caller meant."""
+    try:
+        text = os.fspath(path)
+    except TypeError:
+        text = None
+    if not isinstance(text, str):
+        raise TypeError(f"a checkpoint path is a str or os.PathLike naming a directory, "
+                        f"got {type(path).__name__}: {path!r}")
+    if not text:
+        raise CheckpointNotFoundError(f"{text!r}: an empty path names no checkpoint directory "
+                                      "(it would read the current directory)")
+    return Path(text)
+
+
 def kind_of(mode: int) -> str:
     """What a non-regular file is, in words."""
     if stat.S_ISDIR(mode):

@@ -60,7 +60,7 @@ class Checkpoint:
 
     @trace.range("fp8_reload/index_read")
     def __init__(self, path):
-        self.path = Path(path)
+        self.path = files.directory_path(path)
         self._check_directory()
         # What config.json and the index were parsed from: {name: (bytes, stamp,
         # settled)}, None for no index. With each parsed shard header, what

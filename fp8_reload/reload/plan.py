@@ -23,6 +23,7 @@ from ..errors import (
     FilterMatchedNothingError,
     MissingTensorError,
     ReloadError,
+    UnknownExpertError,
 )
 from . import chunks as _chunks
 from .filters import ExpertFilter, NameFilter, expected_layout, units
@@ -168,6 +169,8 @@ def plan(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
             selected = done.select(weight_name_filter)
         except Exception as e:
             raise ReloadError(f"{ckpt.path}: weight_name_filter raised {type(e).__name__}: {e}") from e
+        if type(weight_name_filter) is ExpertFilter:
+            _check_experts(model.config, ckpt, weight_name_filter.wanted, done.experts)
         if not selected:
             raise FilterMatchedNothingError(f"{ckpt.path}: weight_name_filter matched none of the "
                                             f"{len(done.names)} tensors of the checkpoint")
@@ -207,6 +210,28 @@ def plan_reload(model, ckpt: Checkpoint, weight_name_filter: NameFilter | None,
     if weight_name_filter is None:  # valid while no module is replanned (a filtered reload may)
         cache.full[done] = (names, targets, cache.version, ckpt.parsed_headers(), quantize_on_device)
     return names, targets
+
+
+def _check_experts(cfg, ckpt: Checkpoint, wanted, indexed: dict) -> None:
+    """Every expert an `ExpertFilter` names is one of the model's and has tensors in the
+    checkpoint: a reload that skipped one would leave the expert EPLB meant to replace (a
+    typo, a plan for another model, a checkpoint without it) serving as it was."""
+    unknown = sorted((layer, e) for layer, e in wanted
+                     if not (0 <= layer < cfg.num_layers and cfg.is_moe_layer(layer)
+                             and 0 <= e < cfg.num_experts))
+    if unknown:
+        layers = cfg.moe_layers
+        span = f"layers {layers[0]}..{layers[-1]}" if layers else "no layers"
+        raise UnknownExpertError(
+            f"{ckpt.path}: weight_name_filter names experts the model does not have: "
+            + ", ".join(f"layer {layer} expert {e}" for layer, e in unknown[:4])
+            + (f" ({len(unknown)} in all)" if len(unknown) > 4 else "")
+            + f"; its experts are 0..{cfg.num_experts - 1} of {span}; nothing was written")
+    absent = sorted(key for key in wanted if key not in indexed)
+    if absent:
+        layer, e = absent[0]
+        raise MissingTensorError(f"{ckpt.path}: expert {e} of layer {layer} has no tensor in the "
+                                 f"checkpoint ({len(absent)} such experts); nothing was written")
 
 
 def _check_layout(name: str, shape, dtype, expected, ckpt: Checkpoint) -> None:

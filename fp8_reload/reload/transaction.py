@@ -35,12 +35,11 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
 from .. import trace
-from ..checkpoint import Checkpoint, staging
+from ..checkpoint import Checkpoint, files, staging
 from ..device import current_cuda, model_device, on_cuda, resolve_device, side_stream, synchronize
 from ..errors import CommitError, CorruptCheckpointError, ReloadError, RollbackError
 from ..kernels.scales import clear_kernel_caches
@@ -140,11 +139,11 @@ def _exclusive(model: FP8MoEModel, path):
     first), and one from inside a reload of this model on the same thread (a hook or
     loader calling back would re-enter the transaction half-way)."""
     if model.weights_lock.held_for_reading:
-        raise ReloadError(f"{Path(path)}: cannot write the weights from inside a forward of the "
+        raise ReloadError(f"{path}: cannot write the weights from inside a forward of the "
                           "same model (it would wait for itself); nothing was written")
     running = model.__dict__.setdefault("_reload_running", threading.RLock())
     if running._is_owned():
-        raise ReloadError(f"{Path(path)}: a reload of this model is already running on this "
+        raise ReloadError(f"{path}: a reload of this model is already running on this "
                           "thread (this call comes from inside it); nothing was written")
     return model.reload_lock, running, model.weights_lock.commit_hold()
 
@@ -193,6 +192,7 @@ def update_weights_from_disk(model: FP8MoEModel, path, weight_name_filter: NameF
     Raises a `ReloadError` subclass naming the file/tensor and the cause; the
     model is then exactly as it was (except `RollbackError`, see errors.py).
     """
+    path = files.directory_path(path)
     if weight_name_filter is not None and not callable(weight_name_filter):
         raise TypeError(f"weight_name_filter must be a callable (name -> bool) or None, "
                         f"got {type(weight_name_filter).__name__}")
