@@ -23,6 +23,7 @@ import torch
 from safetensors import safe_open
 
 import fp8_reload as fr
+from fp8_reload.locks import WeightsLock
 
 from .common import (
     DEVICE,
@@ -312,3 +313,22 @@ class ReloadDeviceMemory(_ReloadCase):
         return device_peak_bytes(self._run)
 
     track_peak_bytes.unit = "bytes"
+
+
+class WeightsLockAccess:
+    """The weights lock's accesses, uncontended, on the thread asv times (the main one, where
+    a Ctrl-C can land): a forward's read access, which every model forward takes before its
+    first kernel, and a reload's write access (`commit_hold`, then `take`)."""
+
+    def setup(self):
+        self.lock = WeightsLock()
+
+    def time_read_access(self):
+        with self.lock.read():
+            pass
+
+    def time_write_access(self):
+        hold = self.lock.commit_hold()
+        with hold:
+            hold.take()
+

@@ -129,6 +129,7 @@ class MoEConfig:
             "norm_topk_prob": self.norm_topk_prob,
             "routed_scaling_factor": self.routed_scaling_factor,
             "rms_norm_eps": self.rms_norm_eps,
+            **{key: allowed[0] for key, allowed in COMPUTED_AS.items()},
             "torch_dtype": "bfloat16",
         }
 
@@ -153,6 +154,12 @@ class MoEConfig:
         if flag is not None and not isinstance(flag, bool):
             raise ValueError(f"field 'norm_topk_prob' must be true or false, got {_show(flag)}")
         values["norm_topk_prob"] = bool(flag)
+        for key, allowed in COMPUTED_AS.items():
+            got = hf.get(key)
+            if got is not None and not any(got == a and type(got) is type(a) for a in allowed):
+                raise UnsupportedConfigError(f"field {key!r} is {_show(got)}: the model computes "
+                                             f"{' or '.join(map(repr, allowed))} only (its outputs "
+                                             "would not be this checkpoint's)")
         name = hf.get("fp8_reload_preset", "custom")
         if not isinstance(name, str) or not 0 < len(name) <= 100:
             raise ValueError(f"field 'fp8_reload_preset' must be a short string, got {_show(name)}")
@@ -170,6 +177,16 @@ class MoEConfig:
         cfg.validate()
         return cfg
 
+
+class UnsupportedConfigError(ValueError):
+    """config.json asks for what the model does not compute (another activation or routing)."""
+
+
+# config.json fields of what the forward computes -> the values it computes (DeepSeek-V2-Lite's):
+# a checkpoint asking for another (V2's grouped top-k, V3's sigmoid scores and
+# bias-corrected top-k, another activation) would load bit for bit and serve other outputs.
+COMPUTED_AS: dict[str, tuple] = {"hidden_act": ("silu",), "scoring_func": ("softmax",),
+                                 "topk_method": ("greedy",), "moe_layer_freq": (1,)}
 
 # config.json field -> (MoEConfig attribute, min, max, default; None: required).
 # The maxima are far above any real model (DeepSeek-V3: hidden 7168, 61 layers, 256

@@ -43,12 +43,20 @@ from __future__ import annotations
 import _thread
 import contextlib
 import threading
+import time
 
 from .interrupts import sigint_deferred
+from .knobs import env_int
 
 # How long one wait lasts before it looks whether a Ctrl-C came meanwhile (held back
 # while the lock's bookkeeping changes; see `_Hold`).
 _POLL_S = 0.05
+# How long a write waits for the forwards running when it asked (they hold the lock for as
+# long as they launch kernels: milliseconds on a GPU). A forward that waits for a forward
+# of the same model on another thread (a micro-batch handed to a pool, `asyncio.to_thread`)
+# never ends while a write waits, since the inner one queues behind the write: the write
+# then gives up, with an error, and both forwards go on.
+WRITE_WAIT_S = env_int("FP8_RELOAD_WRITE_WAIT_S", 60, minimum=1)
 
 
 class _Hold(_thread.RLock):
@@ -95,15 +103,18 @@ class WeightsLock:
     """Reader/writer lock with writer preference and per-thread re-entry (see the module)."""
 
     def __init__(self):
-        self._cond = threading.Condition(threading.Lock())
-        self._readers: set[_Hold] = set()  # forwards' holds (given back ones pruned)
+        self._mutex = threading.Lock()  # (entered by `with` in C: see `_take`)
+        self._cond = threading.Condition(self._mutex)
+        # each thread's latest forward hold (a thread starts a new one only once it gave its
+        # last one back: nested forwards re-enter theirs); given back ones pruned
+        self._readers: dict[int, _Hold] = {}
         self._writer: _Hold | None = None
         self._writers_waiting = 0
         self._local = threading.local()  # .hold: this thread's forward
 
     def _prune(self) -> None:
         """Under the condition: forget holds given back."""
-        self._readers = {h for h in self._readers if not _given_back(h)}
+        self._readers = {t: h for t, h in self._readers.items() if not _given_back(h)}
         if self._writer is not None and _given_back(self._writer):
             self._writer = None
 
@@ -124,8 +135,21 @@ class WeightsLock:
 
     def _take(self, hold: _Hold, write: bool) -> None:
         """Register `hold` once its turn comes, with Ctrl-C held back: one ends the wait
-        within `_POLL_S`, nothing registered, and is raised as the hold ends."""
+        within `_POLL_S`, nothing registered, and is raised as the hold ends.
+
+        A forward that need not wait (no writer, none waiting: what a forward meets nearly
+        always) is registered without holding Ctrl-C back (swapping the SIGINT handler twice
+        was ~20 us of its ~22 us): the mutex is entered and left by `with` in C, no
+        pruning runs, and a KeyboardInterrupt landing in between leaves at most a hold that
+        its caller gives back at once (`_Entering`), pruned later."""
+        if not write:
+            with self._mutex:
+                if self._writer is None and not self._writers_waiting:
+                    self._readers[_thread.get_ident()] = hold  # (this thread's last: given back)
+                    hold.registered = True
+                    return
         stop: list = []
+        deadline = time.monotonic() + WRITE_WAIT_S
         with sigint_deferred(then=lambda: stop.append(True)), self._cond:
             self._writers_waiting += write
             try:
@@ -135,10 +159,15 @@ class WeightsLock:
                         if write:
                             self._writer = hold
                         else:
-                            self._readers.add(hold)
+                            self._readers[_thread.get_ident()] = hold
                         hold.registered = True
                         return
-                    self._wait_on(self._writer or (next(iter(self._readers)) if write else None))
+                    if write and time.monotonic() > deadline:
+                        raise RuntimeError(
+                            f"forwards of this model still ran after {WRITE_WAIT_S} s "
+                            "(FP8_RELOAD_WRITE_WAIT_S); a forward that waits for a forward of the "
+                            "same model on another thread never ends while a write waits")
+                    self._wait_on(self._writer or (next(iter(self._readers.values())) if write else None))
             finally:
                 if write:
                     self._writers_waiting -= 1

@@ -656,6 +656,11 @@ CASES: list[BadCase] = [
             _bad_config("moe_intermediate_size", "true")),
     BadCase("config-top-k", "config.json: num_experts_per_tok above n_routed_experts",
             E.CorruptCheckpointError, _bad_config("num_experts_per_tok", "9")),
+    # (attack s28: both loaded, and served softmax top-k routing)
+    BadCase("config-sigmoid-scores", 'config.json: "scoring_func": "sigmoid" (DeepSeek-V3)',
+            E.UnsupportedCheckpointError, _bad_config("scoring_func", '"sigmoid"')),
+    BadCase("config-grouped-top-k", 'config.json: "topk_method": "group_limited_greedy" (DeepSeek-V2)',
+            E.UnsupportedCheckpointError, _bad_config("topk_method", '"group_limited_greedy"')),
 ]
 
 

@@ -79,3 +79,86 @@ def test_an_expert_the_checkpoint_lacks_entirely_is_refused(engine, ckpts, model
     assert fr.compare_states(before, fr.snapshot(model), identity=True) == []
     report = fr.update_weights_from_disk(model, bad, fr.generate_weight_name_filter({2: [2]}))
     assert report.experts_reloaded == {2: [2]}  # the rest of that checkpoint still reloads
+
+
+def test_keys_naming_one_layer_add_up_not_overwrite(ckpts, model_and_state):
+    """Attack s28: ``{1: [0], "1": [3]}`` (a plan merged from JSON and code) became
+    ``{1: [3]}``: expert 0 was silently not reloaded, and the report agreed."""
+    import torch
+
+    for spec in ({1: [0], "1": [3]}, {torch.tensor(1): [0], torch.tensor(1): [3]},
+                 {1: [0], " 1": [3], "01": [0]}):
+        flt = fr.generate_weight_name_filter(spec)
+        assert repr(flt) == "generate_weight_name_filter({1: [0, 3]})", spec
+    model, _ = model_and_state
+    assert fr.update_weights_from_disk(model, ckpts["fp8", 1], flt).experts_reloaded == {1: [0, 3]}
+
+
+def test_an_expert_id_is_one_number_not_an_array_of_one():
+    """torch took ``tensor([3])`` as expert 3 where numpy's ``array([3])`` was refused."""
+    import numpy as np
+    import torch
+
+    for experts in ([torch.tensor([3])], [np.array([3])], [torch.tensor([[3]])]):
+        with pytest.raises(TypeError, match="is not a whole number"):
+            fr.generate_weight_name_filter({1: experts})
+    with pytest.raises(TypeError, match="layer tensor\\(\\[1\\]\\) is not a whole number"):
+        fr.generate_weight_name_filter({torch.tensor([1]): [0]})
+
+
+def test_a_parameter_given_another_dtype_over_its_memory_gets_values_not_bytes(ckpts, engine):
+    """Attack s28: a bf16 norm re-viewed as float16 (same memory, shape and strides) was
+    reloaded with the checkpoint's bf16 bytes, read as float16: other values, no error."""
+    import torch
+
+    model = fr.load_model(ckpts["bf16", 0])
+    fr.update_weights_from_disk(model, ckpts["bf16", 0])  # the norm's target planned and kept
+    norm = model.model.layers[1].post_attention_layernorm.weight
+    norm.data = norm.data.view(torch.float16)
+    fr.update_weights_from_disk(model, ckpts["bf16", 1])
+    want = fr.load_model(ckpts["bf16", 1]).model.layers[1].post_attention_layernorm.weight
+    assert norm.dtype == torch.float16 and torch.equal(norm, want.to(torch.float16))
+
+
+def test_a_forward_waiting_on_a_forward_in_another_thread_fails_the_reload_not_hangs(
+        ckpts, monkeypatch):
+    """Attack s28: a batch holding the model's read access hands a micro-batch to a pool
+    thread while a reload waits: the pool's forward queues behind the waiting write, the
+    batch waits for it, the write for the batch, all forever. The write now gives up after
+    `FP8_RELOAD_WRITE_WAIT_S`, nothing written, and the forwards go on."""
+    import concurrent.futures
+    import threading
+    import time
+
+    import fp8_reload.locks as locks
+
+    from .conftest import tokens
+
+    monkeypatch.setattr(locks, "WRITE_WAIT_S", 1)
+    model = fr.load_model(ckpts["fp8", 0])
+    before, x = fr.snapshot(model), tokens(model.config, 4)
+    out, pool, waiting = {}, concurrent.futures.ThreadPoolExecutor(1), threading.Event()
+
+    def batch():
+        with model.weights_lock.read():  # one set of weights for the whole batch
+            waiting.wait(5)
+            time.sleep(0.2)  # (the reload now waits for this forward)
+            out["y"] = pool.submit(model, x).result(timeout=30)
+
+    def reload():
+        waiting.set()
+        try:
+            fr.update_weights_from_disk(model, ckpts["fp8", 1])
+        except fr.ReloadError as e:
+            out["error"] = e
+
+    threads = [threading.Thread(target=batch, daemon=True), threading.Thread(target=reload, daemon=True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert not any(t.is_alive() for t in threads), "deadlocked"
+    assert "FP8_RELOAD_WRITE_WAIT_S" in str(out["error"]) and "nothing was written" in str(out["error"])
+    assert "y" in out and fr.compare_states(before, fr.snapshot(model), identity=True) == []
+    fr.update_weights_from_disk(model, ckpts["fp8", 1])  # and the next one goes through
+    pool.shutdown()

@@ -16,7 +16,7 @@ from pathlib import Path, PurePosixPath
 import torch
 
 from .. import trace
-from ..config import MoEConfig
+from ..config import MoEConfig, UnsupportedConfigError
 from ..errors import (
     CheckpointError,
     CheckpointNotFoundError,
@@ -62,9 +62,8 @@ class Checkpoint:
     def __init__(self, path):
         self.path = files.directory_path(path)
         self._check_directory()
-        # What config.json and the index were parsed from: {name: (bytes, stamp,
-        # settled)}, None for no index. With each parsed shard header, what
-        # `unchanged()` checks.
+        # What config.json and the index were parsed from: {name: (bytes, stamp, settled)},
+        # None for no index. With each parsed shard header, what `unchanged()` checks.
         self.sources: dict[str, tuple[bytes, tuple, bool] | None] = {}
         self._headers: dict[str, ShardHeader] = {}
         self.hf_config = parse_json(self._read_source("config.json"), self.path / "config.json")
@@ -73,7 +72,9 @@ class Checkpoint:
         try:
             self.config = MoEConfig.from_hf_config(self.hf_config)
         except (KeyError, TypeError, ValueError, OverflowError) as e:
-            raise CorruptCheckpointError(f"{self.path / 'config.json'}: {e}") from None
+            bad = (UnsupportedCheckpointError if isinstance(e, UnsupportedConfigError)
+                   else CorruptCheckpointError)
+            raise bad(f"{self.path / 'config.json'}: {e}") from None
         self.kind, self.activation_scheme = self._quantization(self.hf_config.get("quantization_config"))
         self.weight_map = self._weight_map()
         self.shard_files = sorted(set(self.weight_map.values()))
@@ -246,11 +247,10 @@ class Checkpoint:
         return self._headers[fname].stamp
 
     def open_shard(self, fname: str):
-        """Open shard `fname` for its tensor bytes, if it is still the file whose header
-        was parsed (same stamp and header bytes): (file, its stamp). A shard replaced or
-        rewritten since then is refused: never read at another file's offsets, and
-        never a file newer than the plan (one shard of a new version beside the others
-        of the old one)."""
+        """Open shard `fname` for its tensor bytes, if it is still the file whose header was
+        parsed (same stamp and header bytes): (file, its stamp). A shard replaced or rewritten
+        since then is refused: never read at another file's offsets, and never a file newer
+        than the plan (one shard of a new version beside the others of the old one)."""
         fpath = self.path / fname
         self._header(fname)
         f = files.open_regular(fpath)

@@ -31,9 +31,11 @@ class ExpertFilter:
     def __init__(self, layer_experts: dict[int, Iterable[int]]):
         if not isinstance(layer_experts, Mapping):
             raise TypeError(f"generate_weight_name_filter takes {{layer: experts}}, got {layer_experts!r}")
-        self.layer_experts = {_whole(layer, "layer"): sorted({_whole(e, f"layer {layer}: expert")
-                                                             for e in _collection(layer, es)})
-                              for layer, es in layer_experts.items()}
+        merged: dict[int, set[int]] = {}  # keys naming one layer ({1: .., "1": ..}) add up
+        for layer, es in layer_experts.items():
+            merged.setdefault(_whole(layer, "layer"), set()).update(
+                _whole(e, f"layer {layer}: expert") for e in _collection(layer, es))
+        self.layer_experts = {layer: sorted(es) for layer, es in merged.items()}
         self.wanted = frozenset((layer, e) for layer, es in self.layer_experts.items() for e in es)
 
     @staticmethod
@@ -52,9 +54,11 @@ class ExpertFilter:
 def _whole(value, what: str) -> int:
     """`value` as an int where it is one: an int, a numpy or 0-d tensor integer, or decimal
     digits (the keys of a plan read from JSON). A float is refused: ``int(2.7)`` would quietly
-    name another expert; so is a bool (``True`` would name expert 1)."""
+    name another expert; so is a bool (``True`` would name expert 1), and an array of one."""
     if type(value).__name__ in ("bool", "bool_") or getattr(value, "dtype", None) == torch.bool:
         raise TypeError(f"generate_weight_name_filter: {what} {value!r} is a bool, not an id")
+    if getattr(value, "ndim", 0) != 0:  # (torch takes a one-element tensor as an index, numpy not)
+        raise TypeError(f"generate_weight_name_filter: {what} {value!r} is not a whole number")
     if isinstance(value, str) and value.strip().isdecimal():
         return int(value)
     try:

@@ -157,7 +157,7 @@ def _state(module) -> tuple[tuple, tuple]:
     slots = _attr(module, "expert_slots")
     refs = (module, _attr(module, "quant_method"), *[p for _, p in params])
     values = (None if slots is None else {e: tuple(s) for e, s in slots.items()},
-              tuple([(k, p.data_ptr(), p.shape, p.stride()) for k, p in params]))
+              tuple([(k, p.data_ptr(), p.shape, p.stride(), p.dtype) for k, p in params]))
     return refs, values
 
 
@@ -221,6 +221,16 @@ def _quant_units_or_loader(targets: list[Target], quantize_on_device: bool, unit
 
 
 def _target(info: TensorInfo, param, module, kw) -> Target:
+    """Where `info` lands; bytes are copied as they are only into views of its dtype (a
+    Parameter given another dtype since, even over the same memory, takes its loader, which
+    converts the values as a load would)."""
+    target = _destination(info, param, module, kw)
+    if target.kind in ("copy", "scalar") and any(v.dtype != info.dtype for v in target.views):
+        return Target(info, "loader", module=module)
+    return target
+
+
+def _destination(info: TensorInfo, param, module, kw) -> Target:
     if isinstance(module, FusedMoE) and isinstance(module.quant_method, FixedFp8MoEMethod):
         slots = module.local_slots(kw["expert_id"])
         views = [module.slot_destination(param, info.name, kw["shard_id"], s) for s in slots]
