@@ -68,8 +68,9 @@ class _Hold(_thread.RLock):
 
     def take(self) -> None:
         """Wait for this access's turn and register it (the caller holds the RLock)."""
+        deadline = time.monotonic() + WRITE_WAIT_S  # (once: a Ctrl-C held back does not renew it)
         while not self.registered:  # (a Ctrl-C whose handler did not raise: wait again)
-            self._weights_lock._take(self, self._write)
+            self._weights_lock._take(self, self._write, deadline)
 
 
 class _Entering(_Hold):
@@ -78,17 +79,18 @@ class _Entering(_Hold):
     nested forward, a writer's re-entry) it only counts a level more."""
 
     def __enter__(self):
-        again = self._is_owned()
+        depth = self._recursion_count()  # this thread's levels before this call
         try:  # (acquiring an owned or fresh RLock never waits: a Ctrl-C comes after it)
             self.acquire()
-            if not again:
+            if not depth:
                 if self.registered:  # given back since: an access is entered once
                     raise RuntimeError("this weights-lock access was used already; ask for a new one")
                 self.take()
+            return self  # (in the `try`: a tracer's Ctrl-C at this line gives the level back)
         except BaseException:
-            self.release()  # the level this call took
+            if self._recursion_count() > depth:  # (a tracer's Ctrl-C may come before it)
+                self.release()  # the level this call took
             raise
-        return self
 
 
 def _given_back(hold: _Hold) -> bool:
@@ -103,18 +105,20 @@ class WeightsLock:
     """Reader/writer lock with writer preference and per-thread re-entry (see the module)."""
 
     def __init__(self):
-        self._mutex = threading.Lock()  # (entered by `with` in C: see `_take`)
-        self._cond = threading.Condition(self._mutex)
-        # each thread's latest forward hold (a thread starts a new one only once it gave its
-        # last one back: nested forwards re-enter theirs); given back ones pruned
-        self._readers: dict[int, _Hold] = {}
+        self._cond = threading.Condition(threading.Lock())
+        # forwards' holds: registered ones, and given back ones until pruned (each thread forgets
+        # its own as it registers the next: `_mine`). Changed in place, outside the condition
+        # too (`_try_forward`): one set operation at a time, which the interpreter makes atomic
+        self._readers: set[_Hold] = set()
         self._writer: _Hold | None = None
         self._writers_waiting = 0
-        self._local = threading.local()  # .hold: this thread's forward
+        self._local = threading.local()  # .hold: this thread's forward; .mine: see `_mine`
 
     def _prune(self) -> None:
         """Under the condition: forget holds given back."""
-        self._readers = {t: h for t, h in self._readers.items() if not _given_back(h)}
+        for hold in list(self._readers):  # (a copy: forwards register meanwhile)
+            if _given_back(hold):
+                self._readers.discard(hold)
         if self._writer is not None and _given_back(self._writer):
             self._writer = None
 
@@ -133,23 +137,42 @@ class WeightsLock:
         finally:
             self._cond.acquire()
 
-    def _take(self, hold: _Hold, write: bool) -> None:
-        """Register `hold` once its turn comes, with Ctrl-C held back: one ends the wait
-        within `_POLL_S`, nothing registered, and is raised as the hold ends.
+    def _try_forward(self, hold: _Hold) -> bool:
+        """Register a forward's `hold` at once if no write runs or waits (nearly always), with
+        no lock and no Ctrl-C held back (swapping the SIGINT handler each way was ~20 of the
+        ~22 us a forward's access cost on the main thread). The hold is added first and the
+        writer looked at after, while a writer counts itself waiting first and looks at the
+        forwards after: one of the two sees the other (a forward that sees a writer withdraws;
+        the writer, if it saw the hold, waits on it at most `_POLL_S`). A KeyboardInterrupt
+        landing anywhere here leaves at most a hold its caller gives back at once
+        (`_Entering`), forgotten later: no lock to leave taken, even under a tracer."""
+        self._readers.add(hold)
+        if self._writer is not None or self._writers_waiting:  # (a given-back writer too: pruned
+            self._readers.discard(hold)                        # on the slower path)
+            return False
+        hold.registered = True
+        self._mine(hold)
+        return True
 
-        A forward that need not wait (no writer, none waiting: what a forward meets nearly
-        always) is registered without holding Ctrl-C back (swapping the SIGINT handler twice
-        was ~20 us of its ~22 us): the mutex is entered and left by `with` in C, no
-        pruning runs, and a KeyboardInterrupt landing in between leaves at most a hold that
-        its caller gives back at once (`_Entering`), pruned later."""
-        if not write:
-            with self._mutex:
-                if self._writer is None and not self._writers_waiting:
-                    self._readers[_thread.get_ident()] = hold  # (this thread's last: given back)
-                    hold.registered = True
-                    return
+    def _mine(self, hold: _Hold) -> None:
+        """Note `hold` as this thread's, forgetting the ones this thread gave back since: what
+        forwards leave behind is bounded by the threads, between prunes."""
+        live = []
+        for earlier in getattr(self._local, "mine", ()):
+            if earlier._is_owned():
+                live.append(earlier)  # (still running: a nested or interleaved access)
+            else:
+                self._readers.discard(earlier)
+        live.append(hold)
+        self._local.mine = live
+
+    def _take(self, hold: _Hold, write: bool, deadline: float) -> None:
+        """Register `hold` once its turn comes (a forward that need not wait: `_try_forward`),
+        with Ctrl-C held back: one ends the wait within `_POLL_S`, nothing registered, and is
+        raised as the hold ends. A write waits until `deadline`, then gives up."""
+        if not write and self._try_forward(hold):
+            return
         stop: list = []
-        deadline = time.monotonic() + WRITE_WAIT_S
         with sigint_deferred(then=lambda: stop.append(True)), self._cond:
             self._writers_waiting += write
             try:
@@ -159,7 +182,8 @@ class WeightsLock:
                         if write:
                             self._writer = hold
                         else:
-                            self._readers[_thread.get_ident()] = hold
+                            self._readers.add(hold)
+                            self._mine(hold)
                         hold.registered = True
                         return
                     if write and time.monotonic() > deadline:
@@ -167,7 +191,7 @@ class WeightsLock:
                             f"forwards of this model still ran after {WRITE_WAIT_S} s "
                             "(FP8_RELOAD_WRITE_WAIT_S); a forward that waits for a forward of the "
                             "same model on another thread never ends while a write waits")
-                    self._wait_on(self._writer or (next(iter(self._readers.values())) if write else None))
+                    self._wait_on(self._writer or (next(iter(list(self._readers)), None) if write else None))
             finally:
                 if write:
                     self._writers_waiting -= 1
@@ -209,8 +233,8 @@ class WeightsLock:
     def held_for_reading(self) -> bool:
         """Whether the calling thread is inside a forward (holds read access) and not
         the writer: it must not wait for anything that waits for the write lock."""
-        hold = getattr(self._local, "hold", None)
-        return hold is not None and hold._is_owned() and not self._writer_is_me()
+        mine = getattr(self._local, "mine", ())  # (every access it entered: `read()` objects
+        return any(h._is_owned() for h in mine) and not self._writer_is_me()  # may interleave)
 
     @property
     def readers(self) -> int:

@@ -279,7 +279,7 @@ def test_a_ctrl_c_as_the_diagnostics_prune_a_given_back_access_leaves_none_taken
     with pytest.raises(KeyboardInterrupt):
         _ = lock.readers  # (held back while it prunes, then raised)
     monkeypatch.undo()
-    assert not any(h._is_owned() for h in lock._readers.values())
+    assert not any(h._is_owned() for h in lock._readers)
     assert _idle(lock) == []
 
 
@@ -319,7 +319,8 @@ def test_an_uncontended_forward_swaps_no_signal_handler(monkeypatch):
 
 def test_forwards_keep_one_entry_a_thread_and_a_writer_prunes_them():
     """Without pruning on the fast path, the lock keeps each thread's latest forward access
-    only (a new one replaces the thread's given-back last one), and a writer forgets them."""
+    only (a thread forgets its given-back ones as it registers the next), and a writer
+    forgets them."""
     lock = locks.WeightsLock()
 
     def forwards(n=200):
@@ -333,10 +334,131 @@ def test_forwards_keep_one_entry_a_thread_and_a_writer_prunes_them():
         t.start()
     for t in threads:
         t.join(WAIT)
-    assert 1 <= len(lock._readers) <= 5  # (a finished thread's id may be taken again)
-    assert lock.readers == 0 and lock._readers == {}  # (`readers` prunes)
+    assert len(lock._readers) == 5  # each thread's last
+    assert lock.readers == 0 and not lock._readers  # (`readers` prunes)
     forwards(1)
     hold = lock.commit_hold()
     with hold:
         hold.take()
-    assert lock._readers == {} and _idle(lock) == []
+    assert not lock._readers and _idle(lock) == []
+
+
+def test_two_accesses_asked_for_before_either_is_entered_both_count():
+    """Attack s28 (helper 62): ``a = lock.read(); b = lock.read()``, then ``with a: with b:``;
+    the second's registration replaced the first (a dict by thread): inside ``a`` the lock
+    counted no forward, and a reload on another thread wrote under it."""
+    lock = locks.WeightsLock()
+    a, b = lock.read(), lock.read()
+    wrote = threading.Event()
+
+    def write():
+        hold = lock.commit_hold()
+        with hold:
+            hold.take()
+            wrote.set()
+
+    with a:
+        with b:
+            pass
+        assert lock.held_for_reading and lock.readers == 1
+        writer = threading.Thread(target=write)
+        writer.start()
+        assert not wrote.wait(0.5)  # it waits for `a`
+    writer.join(WAIT)
+    assert wrote.is_set() and _idle(lock) == []
+
+
+@pytest.mark.parametrize("forward", ["fast", "queued"])
+def test_a_tracers_ctrl_c_at_any_line_of_the_lock_never_leaves_a_write_waiting_for_ever(
+        monkeypatch, forward):
+    """Attack s28 (helper 62): under a Python tracer (pdb, a profiler) a Ctrl-C can land at a
+    `with`'s closing line, before its C `__exit__`: on the new fast path that left the lock's
+    mutex taken, and every later forward and write waited forever. Now the fast path takes no
+    lock, and whatever a tracer's Ctrl-C leaves (at worst this thread's access, owned), a
+    write on another thread gets in or gives up within `WRITE_WAIT_S`."""
+    monkeypatch.setattr(locks, "WRITE_WAIT_S", 1)
+    n = 0
+    while True:
+        n += 1
+        lock, seen = locks.WeightsLock(), [0]
+        if forward == "queued":  # a writer waiting: the forward takes the slower path
+            lock._writers_waiting += 1
+            threading.Timer(0.05, lambda lk=lock: setattr(lk, "_writers_waiting", 0)).start()
+
+        def tracer(frame, event, arg, n=n, seen=seen):
+            if event == "line" and _watched(frame.f_code):
+                seen[0] += 1
+                if seen[0] == n:
+                    signal.raise_signal(signal.SIGINT)
+            return tracer
+
+        sys.settrace(lambda f, e, a: tracer if _watched(f.f_code) else None)
+        try:
+            with lock.read():
+                pass
+        except KeyboardInterrupt:
+            pass
+        finally:
+            sys.settrace(None)
+        assert lock._cond.acquire(timeout=WAIT), n  # never left taken
+        lock._cond.release()
+        done: list = []
+
+        def write(lock=lock, done=done):
+            hold = lock.commit_hold()
+            try:
+                with hold:
+                    hold.take()
+                done.append("wrote")
+            except RuntimeError as e:  # a read access this tracer's Ctrl-C left owned
+                done.append(str(e))
+
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join(WAIT)
+        assert done and (done[0] == "wrote" or "FP8_RELOAD_WRITE_WAIT_S" in done[0]), (n, done)
+        if seen[0] < n:
+            break
+    assert n > 5
+
+
+def test_ctrl_cs_held_back_around_a_write_do_not_renew_its_wait(monkeypatch):
+    """Attack s28 (helper 62): a rebalance holds Ctrl-C back around its write; each Ctrl-C
+    ended the write's wait, which then began again with a new `WRITE_WAIT_S`: pressing
+    Ctrl-C kept a stuck rebalance waiting. The deadline is now the first wait's."""
+    import time
+
+    monkeypatch.setattr(locks, "WRITE_WAIT_S", 1)
+    lock = locks.WeightsLock()
+    reading, leave = threading.Event(), threading.Event()
+
+    def forward():
+        with lock.read():
+            reading.set()
+            leave.wait(WAIT)
+
+    stuck = threading.Thread(target=forward)
+    stuck.start()
+    reading.wait(WAIT)
+    held, stop = [], threading.Event()
+
+    def ctrl_cs():  # (for 4 s at most: a renewed wait then still ends, late, not never)
+        while not stop.wait(0.3) and time.monotonic() - t0 < 4:
+            signal.raise_signal(signal.SIGINT)
+
+    presses = threading.Thread(target=ctrl_cs)
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):  # (the held-back one, handed over at the end)
+        with interrupts.sigint_deferred(then=lambda: held.append(time.monotonic() - t0)):
+            presses.start()
+            hold = lock.commit_hold()
+            with pytest.raises(RuntimeError, match="FP8_RELOAD_WRITE_WAIT_S"):
+                with hold:
+                    hold.take()
+            waited = time.monotonic() - t0
+            stop.set()
+            presses.join(WAIT)
+    leave.set()
+    stuck.join(WAIT)
+    assert held and waited < 1.5, (waited, held)
+    assert _idle(lock) == []
