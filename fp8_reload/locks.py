@@ -137,17 +137,24 @@ class WeightsLock:
         finally:
             self._cond.acquire()
 
+    def _a_forward(self) -> _Hold | None:
+        """A registered forward's hold to wait on (not one passing through `_try_forward`,
+        which may withdraw and then wait itself, holding its RLock: a 50 ms stall each)."""
+        return next((h for h in list(self._readers) if h.registered), None)
+
     def _try_forward(self, hold: _Hold) -> bool:
         """Register a forward's `hold` at once if no write runs or waits (nearly always), with
         no lock and no Ctrl-C held back (swapping the SIGINT handler each way was ~20 of the
-        ~22 us a forward's access cost on the main thread). The hold is added first and the
-        writer looked at after, while a writer counts itself waiting first and looks at the
-        forwards after: one of the two sees the other (a forward that sees a writer withdraws;
-        the writer, if it saw the hold, waits on it at most `_POLL_S`). A KeyboardInterrupt
-        landing anywhere here leaves at most a hold its caller gives back at once
-        (`_Entering`), forgotten later: no lock to leave taken, even under a tracer."""
+        ~22 us a forward's access cost on the main thread). The hold is added first, then the
+        waiting count read, then the writer; a writer counts itself waiting, looks at the
+        forwards, sets itself as the writer and only then stops counting. So a writer that
+        missed the hold was counted when the forward read the count, or was set by then: one
+        of the two sees the other (the forward withdraws; review s28, helper 63: reading the
+        writer first let both in, between the writer's set and its count's drop). A
+        KeyboardInterrupt landing anywhere here leaves at most a hold its caller gives back at
+        once (`_Entering`), forgotten later: no lock to leave taken, even under a tracer."""
         self._readers.add(hold)
-        if self._writer is not None or self._writers_waiting:  # (a given-back writer too: pruned
+        if self._writers_waiting or self._writer is not None:  # (a given-back writer too: pruned
             self._readers.discard(hold)                        # on the slower path)
             return False
         hold.registered = True
@@ -175,6 +182,8 @@ class WeightsLock:
         stop: list = []
         with sigint_deferred(then=lambda: stop.append(True)), self._cond:
             self._writers_waiting += write
+            if not write:  # a writer may be waiting on this hold's withdrawn try: no need now
+                self._cond.notify_all()
             try:
                 while not stop:
                     self._prune()
@@ -191,7 +200,7 @@ class WeightsLock:
                             f"forwards of this model still ran after {WRITE_WAIT_S} s "
                             "(FP8_RELOAD_WRITE_WAIT_S); a forward that waits for a forward of the "
                             "same model on another thread never ends while a write waits")
-                    self._wait_on(self._writer or (next(iter(list(self._readers)), None) if write else None))
+                    self._wait_on(self._writer or (self._a_forward() if write else None))
             finally:
                 if write:
                     self._writers_waiting -= 1

@@ -14,6 +14,7 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -461,4 +462,74 @@ def test_ctrl_cs_held_back_around_a_write_do_not_renew_its_wait(monkeypatch):
     leave.set()
     stuck.join(WAIT)
     assert held and waited < 1.5, (waited, held)
+    assert _idle(lock) == []
+
+
+def test_a_forwards_lock_free_try_and_a_writer_never_both_get_in():
+    """Review s28 (helper 63): the forward's try read the writer, then the waiting count; a
+    writer that had missed the forward set itself (read: none yet) and stopped counting
+    (read: 0) in between, and both went in. The thread switches are forced here at those
+    points by properties that only pause (each at most 0.5 s), no logic changed."""
+    import sys
+
+    writer_looked, forward_read, count_dropped = threading.Event(), threading.Event(), threading.Event()
+    forward: list = []
+
+    class Paused(locks.WeightsLock):
+        @property
+        def _writer(self):
+            if threading.current_thread() in forward and sys._getframe(1).f_code.co_name == "_try_forward":
+                forward_read.set()
+            return self.__dict__.get("_w")
+
+        @_writer.setter
+        def _writer(self, value):
+            if value is not None and threading.current_thread() not in forward:
+                writer_looked.set()  # it saw no forward, and sets itself now
+                forward_read.wait(0.5)
+            self.__dict__["_w"] = value
+
+        @property
+        def _writers_waiting(self):
+            if threading.current_thread() in forward and sys._getframe(1).f_code.co_name == "_try_forward":
+                forward_read.set()
+                count_dropped.wait(0.5)
+            return self.__dict__.get("_ww", 0)
+
+        @_writers_waiting.setter
+        def _writers_waiting(self, value):
+            counted = self.__dict__.get("_ww", 0)
+            self.__dict__["_ww"] = value
+            if counted and not value and threading.current_thread() not in forward:
+                count_dropped.set()  # (the writer's drop, not the constructor's 0)
+
+    lock = Paused()
+    inside = {"writer": threading.Event(), "forward": threading.Event()}
+    both, leave = [], threading.Event()
+
+    def write():
+        hold = lock.commit_hold()
+        with hold:
+            hold.take()
+            inside["writer"].set()
+            both.append(inside["forward"].wait(1.0))
+            leave.wait(WAIT)
+
+    def read():
+        writer_looked.wait(WAIT)
+        with lock.read():
+            inside["forward"].set()
+            both.append(inside["writer"].is_set() and not leave.is_set())
+
+    reader = threading.Thread(target=read)
+    forward.append(reader)
+    threads = [threading.Thread(target=write), reader]
+    for t in threads:
+        t.start()
+    inside["writer"].wait(WAIT)
+    time.sleep(1.2)
+    leave.set()
+    for t in threads:
+        t.join(WAIT)
+    assert both == [False, False], both  # the forward came in once the write was over
     assert _idle(lock) == []
