@@ -36,6 +36,11 @@ Python frame starts between the body and the release. Whoever waits for an
 access waits on its hold, so the release wakes them without running Python. A
 reload holds its write access (`commit_hold`) in a `with` from its start and
 takes it only for the commit.
+
+A forward that meets no write registers with no lock at all (`_try_forward`), so a Ctrl-C,
+even one a tracer delivers between two lines, can leave no lock of this module taken; the
+rest of the bookkeeping runs with Ctrl-C held back. A write waits at most `WRITE_WAIT_S`
+for the forwards it found running.
 """
 
 from __future__ import annotations
