@@ -41,7 +41,8 @@ def test_anything_else_is_refused_by_name(monkeypatch, raw, says):
                                       ("FP8_RELOAD_RING_SLOTS", str(2**63)),
                                       ("FP8_RELOAD_READ_THREADS", "5000"), ("FP8_RELOAD_ENGINE", "Stream"),
                                       ("FP8_RELOAD_IO", "Direct"), ("FP8_RELOAD_READERS", "procs"),
-                                      ("FP8_RELOAD_REGISTER", "sometimes")])
+                                      ("FP8_RELOAD_REGISTER", "sometimes"),
+                                      ("FP8_RELOAD_WRITE_WAIT_S", "0"), ("FP8_RELOAD_WRITE_WAIT_S", "1.5")])
 def test_a_bad_setting_is_named_where_the_reload_is_first_looked_up(name, raw):
     """A chunk of 0 bytes or a ring of 0 slots would leave a reload nothing to make progress
     with: refused when `fr.update_weights_from_disk` is first looked up (its modules are
