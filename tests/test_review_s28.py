@@ -1,11 +1,15 @@
-"""Leftovers of attack s27 on the reload. Each case failed before its fix:
+"""Leftovers of attack s27 on the reload, and attack s28 (helper 61). Each case failed
+before its fix:
 
 * `update_weights_from_disk(model, "")` reloaded from the current directory (``Path("")`` is
   "."): a server started inside one checkpoint and handed a blank path reloaded that one;
   `load_model(None)` raised Path's TypeError from deep inside `Checkpoint`;
 * an expert filter naming an expert the model does not have (``{1: [99]}`` beside real ones,
   or a dense layer) reloaded the others and reported success: the expert meant to be
-  replaced kept serving; one the checkpoint lacks entirely was skipped the same way.
+  replaced kept serving; one the checkpoint lacks entirely was skipped the same way;
+* (s28) filter keys naming one layer overwrote each other; ``tensor([3])`` was an expert id;
+  a Parameter re-viewed as another dtype got the checkpoint's bytes; a forward waiting on a
+  forward of the same model in another thread deadlocked with a waiting reload.
 """
 
 from __future__ import annotations
