@@ -11,6 +11,7 @@ start-up dominates the cost on CPU).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 
 import pytest
@@ -422,3 +423,36 @@ def test_cli_rebalance_refuses_bad_requests_in_one_line(capsys, args, why):
     last = err.strip().splitlines()[-1]  # argparse's refusals print the usage above the line
     assert last.startswith("fp8-reload rebalance: error: ") and why in last
     assert err.count("\n") == 1 or err.startswith("usage: fp8-reload rebalance")
+
+
+def _changed_rank(rank, world, device, path, other):
+    """Both ranks load `path`; rank 0 then copies `other`'s files over it; a disk rebalance."""
+    import shutil
+
+    import torch.distributed as dist
+
+    start, hand = _hand_placement()
+    model = load_rank_model(path, start, rank, device)
+    before = snapshot(model)
+    dist.barrier()
+    if rank == 0:
+        for f in sorted(os.listdir(other)):
+            shutil.copy(os.path.join(other, f), os.path.join(path, f + ".new"))
+            os.replace(os.path.join(path, f + ".new"), os.path.join(path, f))
+    dist.barrier()
+    try:
+        rebalance(model, hand if rank == 0 else None, mode="disk")
+        error = None
+    except RebalanceError as e:
+        error = str(e)
+    return error, compare_states(before, snapshot(model), identity=True), model.placement == start
+
+
+def test_a_disk_rebalance_from_a_checkpoint_changed_since_loaded_is_refused(ckpts, tmp_path):
+    """Attack s28 (helper 64): ranks loaded P, P's files were then replaced by another
+    checkpoint's, and a disk-mode rebalance read the moved experts from the new files beside
+    the old ones (equal to neither version, no error). Now every rank refuses and rolls back."""
+    path = copy_checkpoint(ckpts["fp8", 0], tmp_path / "moving")
+    for error, diffs, at_start in run_ranks(_changed_rank, 2, "gloo", str(path), str(ckpts["fp8", 1])):
+        assert error and "changed since this rank read it" in error and "rolled back" in error, error
+        assert diffs == [] and at_start

@@ -51,7 +51,7 @@ from ..device import current_cuda, synchronize
 from ..interrupts import sigint_deferred
 from ..kernels.scales import clear_kernel_caches
 from ..layers import FP8MoEModel
-from ..reload import ReloadReport, generate_weight_name_filter, update_weights_from_disk
+from ..reload import ReloadReport, changed_since_read, generate_weight_name_filter, update_weights_from_disk
 from .agree import agree
 from .group import comm_device, failed_ranks, global_rank
 from .placement import Placement
@@ -324,6 +324,10 @@ def _write(model, layers, mine, new: Placement, rank: int, checkpoint, works, mo
                 if path is None:
                     raise RebalanceError("experts come from disk, but the model has no checkpoint "
                                          "path: pass checkpoint=")
+                if changed_since_read(model, path):  # its other experts are the old files' (s28)
+                    raise RebalanceError(f"{path}: the checkpoint changed since this rank read it; "
+                                         "experts read from it now would sit beside the old ones: "
+                                         "reload it fully first, or move them from peers (p2p)")
                 rep = update_weights_from_disk(model, path, generate_weight_name_filter(wanted))
                 report.disk_report = rep
                 report.bytes_disk = rep.bytes_read

@@ -8,7 +8,8 @@
 
 from .backup import BACKUP_PLACES, device_memory_bound
 from .filters import NameFilter, eplb_filter, generate_weight_name_filter
+from .plan import changed_since_read
 from .transaction import ReloadReport, load_model, update_weights_from_disk
 
-__all__ = ["BACKUP_PLACES", "NameFilter", "ReloadReport", "device_memory_bound", "eplb_filter",
-           "generate_weight_name_filter", "load_model", "update_weights_from_disk"]
+__all__ = ["BACKUP_PLACES", "NameFilter", "ReloadReport", "changed_since_read", "device_memory_bound",
+           "eplb_filter", "generate_weight_name_filter", "load_model", "update_weights_from_disk"]

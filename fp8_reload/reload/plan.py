@@ -66,6 +66,13 @@ def open_checkpoint(model, path, keep: int = 2) -> Checkpoint:
     return remember_checkpoint(model, ckpt, keep)
 
 
+def changed_since_read(model, path) -> bool:
+    """Whether the checkpoint at `path` changed since this model last read it (the parse kept
+    by `open_checkpoint` is no longer `unchanged`); False for one it kept no parse of."""
+    cached = model.__dict__.get("_checkpoint_cache", {}).get(_key(path))
+    return cached is not None and not cached[1].unchanged()
+
+
 def remember_checkpoint(model, ckpt: Checkpoint, keep: int = 2) -> Checkpoint:
     """Keep `ckpt` for `open_checkpoint` (a fresh load keeps the parse it loaded from)."""
     cache = model.__dict__.setdefault("_checkpoint_cache", {})
