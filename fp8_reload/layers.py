@@ -104,6 +104,7 @@ class FusedMoE(nn.Module):
         self.layer_id = layer_id
         self.hidden_size = cfg.hidden_size
         self.intermediate_size = cfg.moe_intermediate_size
+        self.num_experts = cfg.num_experts
         self.num_local_experts = num_local_experts or cfg.num_experts
         self.top_k = cfg.top_k
         if callable(expert_slots):
@@ -116,6 +117,17 @@ class FusedMoE(nn.Module):
         self.weights_version = 0
         self.backend: str | None = None
         quant_method.create_weights(self, device=device)
+
+    @property
+    def expert_slots(self) -> dict[int, list[int]] | None:
+        return self._expert_slots
+
+    @expert_slots.setter
+    def expert_slots(self, slots: dict[int, list[int]] | None) -> None:
+        self._expert_slots = slots
+        # The plain forward indexes slots by logical id: right only where slot e holds expert e.
+        self._slot_is_expert = slots is None or all(
+            e < self.num_local_experts and e in slots.get(e, ()) for e in range(self.num_experts))
 
     # ----- loading (sglang's FusedMoE.weight_loader semantics) -----
     def local_slots(self, expert_id: int) -> list[int]:
@@ -164,6 +176,11 @@ class FusedMoE(nn.Module):
     # ----- forward -----
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 backend: str | None = None) -> torch.Tensor:
+        if not self._slot_is_expert:
+            raise ValueError(f"layer {self.layer_id} holds an expert-parallel rank's slots (slot e "
+                             f"does not hold expert e): the plain forward would compute with other "
+                             f"experts; use expert_parallel.ep_moe_forward (all ranks) or "
+                             f"local_expert_forward")
         return run_moe(self, x, topk_weights, topk_ids, backend=backend or self.backend)
 
 

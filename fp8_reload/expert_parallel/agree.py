@@ -35,12 +35,15 @@ def agree(old: Placement, new: Placement | None, mode: str, exclude_sources, gro
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     if problem is None and rank != 0 and new is not None and not isinstance(new, Placement):
         problem = f"the new placement must be a Placement, got {type(new).__name__}"
+    problem = problem or _edited(old, "this rank's current placement (model.placement)")
+    if rank != 0 and isinstance(new, Placement):
+        problem = problem or _edited(new, "the new placement passed on this rank")
     fp = old.fingerprint() if problem is None else 0
     nfp = new.fingerprint() if problem is None and isinstance(new, Placement) else _NONE
     ok = int(problem is None and old.ep_size == world)
     votes = torch.tensor([fp, -fp, ok, nfp, -nfp if nfp != _NONE else _NONE], dtype=torch.int64,
                          device=device)
-    dist.all_reduce(votes, op=dist.ReduceOp.MIN, group=group)
+    _collective(dist.all_reduce, votes, op=dist.ReduceOp.MIN, group=group)
     low, neg_high, all_ok, new_low, new_neg_high = votes.tolist()
     if low != -neg_high or not all_ok:
         here = f"; here: {problem}" if problem is not None else ""
@@ -64,7 +67,7 @@ def agree(old: Placement, new: Placement | None, mode: str, exclude_sources, gro
             payload[2:2 + world][excluded] = 1
             payload[2 + world:] = new.table.reshape(-1)
     payload = payload.to(device)
-    dist.broadcast(payload, src=global_rank(group, 0), group=group)
+    _collective(dist.broadcast, payload, src=global_rank(group, 0), group=group)
     payload = payload.cpu()
     status = int(payload[0])
     if status != 1:
@@ -84,7 +87,28 @@ _REFUSED = {0: "rank 0 passed no new placement",
             -3: "rank 0's exclude_sources name ranks outside the group (ranks lie in "
                 "[0, world size))",
             -4: "rank 0's request is malformed (new must be a Placement, mode a string, "
-                "exclude_sources integer ranks)"}
+                "exclude_sources integer ranks)",
+            -5: "rank 0's new placement's table was changed in place after it was built (a "
+                "Placement is immutable: build a new one)"}
+
+
+def _edited(placement: Placement, what: str) -> str | None:
+    try:
+        placement.check_unedited(what)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _collective(collective, tensor, **kw) -> None:
+    """`collective(tensor, **kw)`; a failed group (a rank gone or never arriving: the group's timeout)
+    becomes a RebalanceError: nothing was changed on any rank yet."""
+    try:
+        collective(tensor, **kw)
+    except RuntimeError as e:  # torch.distributed's errors (DistBackendError, timeouts)
+        raise RebalanceError(f"the ranks could not agree on the request (a rank left the group or "
+                             f"did not take part: {type(e).__name__}: {e}); nothing was "
+                             f"changed") from e
 
 
 def _request_status(old: Placement, new: Placement | None, mode: str, exclude_sources,
@@ -94,6 +118,8 @@ def _request_status(old: Placement, new: Placement | None, mode: str, exclude_so
         return 0, []
     if not isinstance(new, Placement) or not isinstance(mode, str):
         return -4, []
+    if _edited(new, "the new placement"):
+        return -5, []
     try:
         old._check_same_layout(new)
     except ValueError:

@@ -43,6 +43,8 @@ class Placement:
     table: torch.Tensor  # [len(layers), ep_size * slots_per_rank] int64, CPU
     # Values derived from the (immutable) table, computed once: dispatch tables, fingerprint.
     _derived: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    # The table's bytes as built: the dataclass is frozen, its tensor is not (see `check_unedited`).
+    _built: bytes = field(default=b"", init=False, repr=False, compare=False)
 
     def __post_init__(self):
         object.__setattr__(self, "layers", tuple(int(x) for x in self.layers))
@@ -51,6 +53,7 @@ class Placement:
                            if not isinstance(self.table, torch.Tensor) else
                            self.table.detach().to("cpu", torch.long, copy=True).contiguous())
         self.validate()
+        object.__setattr__(self, "_built", self.table.numpy().tobytes())
 
     def __getstate__(self):  # derived values may live on a GPU: never pickle them
         return {k: v for k, v in self.__dict__.items() if k != "_derived"}
@@ -63,17 +66,30 @@ class Placement:
         try:
             return self._derived[key]
         except KeyError:
+            self.check_unedited()  # a value built from an edited table would describe other slots
             value = self._derived[key] = build()
             return value
 
+    def check_unedited(self, what: str = "the placement") -> None:
+        """ValueError if `table` was changed in place since it was built.
+
+        A placement describes what the ranks' slots hold; its tensor can still be written
+        (``p.table[0, 0] = 3``), and ranks that cached its fingerprint or dispatch tables
+        would then act on different layouts. Build a new Placement instead."""
+        if self.table.numpy().tobytes() != self._built:
+            raise ValueError(f"{what}'s table was changed in place after it was built; a "
+                             f"Placement is immutable: build a new one (Placement(..., table=...)) "
+                             f"for another layout")
+
     def fingerprint(self) -> int:
-        """A 63-bit digest of layout and table: ranks compare it to agree on a placement."""
-        def digest() -> int:
+        """A 63-bit digest of layout and table (as built): ranks compare it to agree on a placement."""
+        value = self._derived.get("fingerprint")  # (of the bytes as built: no edit check)
+        if value is None:
             h = hashlib.blake2b(digest_size=8)
             h.update(repr((self.layers, self.num_experts, self.ep_size, self.slots_per_rank)).encode())
-            h.update(self.table.numpy().tobytes())
-            return int.from_bytes(h.digest(), "little") & (2**63 - 1)
-        return self.derived("fingerprint", digest)
+            h.update(self._built)
+            value = self._derived["fingerprint"] = int.from_bytes(h.digest(), "little") & (2**63 - 1)
+        return value
 
     # ----- construction -----
     @classmethod
