@@ -70,6 +70,7 @@ class _Hold(_thread.RLock):
 
     def __init__(self, lock: WeightsLock, write: bool):
         self._weights_lock, self._write, self.registered = lock, write, False
+        self.thread: threading.Thread | None = None  # the thread that entered it (`_Entering`)
 
     def take(self) -> None:
         """Wait for this access's turn and register it (the caller holds the RLock)."""
@@ -88,6 +89,7 @@ class _Entering(_Hold):
         try:  # (acquiring an owned or fresh RLock never waits: a Ctrl-C comes after it)
             self.acquire()
             if not depth:
+                self.thread = threading.current_thread()
                 if self.registered:  # given back since: an access is entered once
                     raise RuntimeError("this weights-lock access was used already; ask for a new one")
                 self.take()
@@ -96,6 +98,18 @@ class _Entering(_Hold):
             if self._recursion_count() > depth:  # (a tracer's Ctrl-C may come before it)
                 self.release()  # the level this call took
             raise
+
+
+def _refuse_abandoned(hold: _Hold) -> None:
+    """RuntimeError if `hold` is taken by a thread that has ended: no one can give it back
+    (a generator suspended inside a forward's `with`, its thread gone), so a write would
+    wait `WRITE_WAIT_S` each time, then fail with the wrong reason."""
+    thread = hold.thread
+    if thread is not None and not thread.is_alive() and not _given_back(hold):
+        raise RuntimeError(
+            f"a forward's access to the weights is held by thread {thread.name!r}, which ended "
+            "without giving it back (a generator suspended inside `with lock.read()` or a "
+            "forward, left by its thread?); the weights cannot be written while it is held")
 
 
 def _given_back(hold: _Hold) -> bool:
@@ -205,7 +219,10 @@ class WeightsLock:
                             f"forwards of this model still ran after {WRITE_WAIT_S} s "
                             "(FP8_RELOAD_WRITE_WAIT_S); a forward that waits for a forward of the "
                             "same model on another thread never ends while a write waits")
-                    self._wait_on(self._writer or (self._a_forward() if write else None))
+                    busy = self._writer or (self._a_forward() if write else None)
+                    if write and busy is not None:
+                        _refuse_abandoned(busy)
+                    self._wait_on(busy)
             finally:
                 if write:
                     self._writers_waiting -= 1
