@@ -125,9 +125,20 @@ class FusedMoE(nn.Module):
     @expert_slots.setter
     def expert_slots(self, slots: dict[int, list[int]] | None) -> None:
         self._expert_slots = slots
-        # The plain forward indexes slots by logical id: right only where slot e holds expert e.
-        self._slot_is_expert = slots is None or all(
-            e < self.num_local_experts and e in slots.get(e, ()) for e in range(self.num_experts))
+        self._plain_checked = None  # (the `weights_version` the plain forward was checked at)
+
+    def _slot_is_expert(self) -> bool:
+        """Whether slot e holds expert e, and only it, for every expert: the plain forward
+        indexes slots by logical id."""
+        slots = self._expert_slots
+        if slots is None or self.num_local_experts < self.num_experts:
+            return self.num_local_experts >= self.num_experts
+        owner: dict[int, int] = {}
+        for e, held in slots.items():
+            for s in held:
+                if owner.setdefault(s, e) != e:  # (two experts in one slot: the last one loaded)
+                    return False
+        return all(owner.get(e) == e for e in range(self.num_experts))
 
     # ----- loading (sglang's FusedMoE.weight_loader semantics) -----
     def local_slots(self, expert_id: int) -> list[int]:
@@ -176,11 +187,13 @@ class FusedMoE(nn.Module):
     # ----- forward -----
     def forward(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 backend: str | None = None) -> torch.Tensor:
-        if not self._slot_is_expert:
-            raise ValueError(f"layer {self.layer_id} holds an expert-parallel rank's slots (slot e "
-                             f"does not hold expert e): the plain forward would compute with other "
-                             f"experts; use expert_parallel.ep_moe_forward (all ranks) or "
-                             f"local_expert_forward")
+        if self._plain_checked != self.weights_version:  # checked once per load (the map may
+            if not self._slot_is_expert():                  # be edited in place, then reloaded)
+                raise ValueError(
+                    f"layer {self.layer_id} holds an expert-parallel rank's slots (slot e does not "
+                    f"hold expert e): the plain forward would compute with other experts; use "
+                    f"expert_parallel.ep_moe_forward (all ranks) or local_expert_forward")
+            self._plain_checked = self.weights_version
         return run_moe(self, x, topk_weights, topk_ids, backend=backend or self.backend)
 
 

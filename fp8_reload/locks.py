@@ -70,11 +70,12 @@ class _Hold(_thread.RLock):
 
     def __init__(self, lock: WeightsLock, write: bool):
         self._weights_lock, self._write, self.registered = lock, write, False
-        self.thread: threading.Thread | None = None  # the thread that entered it (`_Entering`)
+        self.thread: threading.Thread | None = None  # the thread that took it (`take`)
 
     def take(self) -> None:
         """Wait for this access's turn and register it (the caller holds the RLock)."""
         deadline = time.monotonic() + WRITE_WAIT_S  # (once: a Ctrl-C held back does not renew it)
+        self.thread = threading.current_thread()
         while not self.registered:  # (a Ctrl-C whose handler did not raise: wait again)
             self._weights_lock._take(self, self._write, deadline)
 
@@ -89,7 +90,6 @@ class _Entering(_Hold):
         try:  # (acquiring an owned or fresh RLock never waits: a Ctrl-C comes after it)
             self.acquire()
             if not depth:
-                self.thread = threading.current_thread()
                 if self.registered:  # given back since: an access is entered once
                     raise RuntimeError("this weights-lock access was used already; ask for a new one")
                 self.take()
@@ -102,14 +102,26 @@ class _Entering(_Hold):
 
 def _refuse_abandoned(hold: _Hold) -> None:
     """RuntimeError if `hold` is taken by a thread that has ended: no one can give it back
-    (a generator suspended inside a forward's `with`, its thread gone), so a write would
-    wait `WRITE_WAIT_S` each time, then fail with the wrong reason."""
+    (a generator suspended inside an access's `with`, its thread gone), so a write would wait
+    `WRITE_WAIT_S` each time, then fail with the wrong reason, and a forward behind an
+    abandoned write would wait forever. (A thread started by `_thread.start_new_thread`
+    always counts as alive: such waits go on as before.)"""
     thread = hold.thread
-    if thread is not None and not thread.is_alive() and not _given_back(hold):
-        raise RuntimeError(
-            f"a forward's access to the weights is held by thread {thread.name!r}, which ended "
-            "without giving it back (a generator suspended inside `with lock.read()` or a "
-            "forward, left by its thread?); the weights cannot be written while it is held")
+    if thread is None or thread.is_alive():
+        return
+    if hold.acquire(timeout=_POLL_S):  # given back (another waiter may hold it an instant)
+        hold.release()
+        return
+    raise _abandoned(hold)
+
+
+def _abandoned(hold: _Hold) -> RuntimeError:
+    what, blocked = (("a write's", "no forward or write of them can run") if hold._write else
+                     ("a forward's", "the weights cannot be written"))
+    return RuntimeError(
+        f"{what} access to the weights is held by thread {hold.thread.name!r}, which ended "
+        f"without giving it back (a generator suspended inside the access, left by its "
+        f"thread?); {blocked} while it is held")
 
 
 def _given_back(hold: _Hold) -> bool:
@@ -148,6 +160,8 @@ class WeightsLock:
             self._cond.wait(_POLL_S)
             return
         if busy._is_owned():  # (a caller's bug, not a wait: it would never end)
+            if busy.thread is not None and busy.thread is not threading.current_thread():
+                raise _abandoned(busy)  # (an ended thread's, whose id this thread has now)
             raise RuntimeError("the weights lock would wait for this thread's own access")
         self._cond.release()
         try:
@@ -220,7 +234,7 @@ class WeightsLock:
                             "(FP8_RELOAD_WRITE_WAIT_S); a forward that waits for a forward of the "
                             "same model on another thread never ends while a write waits")
                     busy = self._writer or (self._a_forward() if write else None)
-                    if write and busy is not None:
+                    if busy is not None:
                         _refuse_abandoned(busy)
                     self._wait_on(busy)
             finally:
@@ -229,8 +243,8 @@ class WeightsLock:
                     self._cond.notify_all()  # (forwards held back by this waiting writer)
 
     def _writer_is_me(self) -> bool:
-        writer = self._writer
-        return writer is not None and writer._is_owned()
+        writer = self._writer  # (an ended writer's thread id may be this thread's now)
+        return writer is not None and writer.thread is threading.current_thread() and writer._is_owned()
 
     def read(self):
         """A forward's access: `with lock.read(): ...`."""

@@ -7,7 +7,16 @@ ranks). Each case failed before its fix:
 * a new placement edited after it was built (``new.table[0, 0] = 99``): rank 1 raised a bare
   ValueError outside any vote while rank 0 waited for it;
 * a rank that never took part in the vote (gone, or stuck elsewhere) gave its peer a raw
-  RuntimeError from torch.distributed instead of a RebalanceError.
+  RuntimeError from torch.distributed instead of a RebalanceError;
+* `model(x)` on an EP rank's share raised IndexError (a rebalanced single rank computed with
+  other experts).
+
+Review of those fixes (helper 65): `load_rank_model` loaded a share from an edited placement
+whose dispatch tables were cached (tokens of expert 0 got expert 1's output, no error); edits
+that keep the bytes (``unsqueeze_``, ``.data = t.view(torch.int32)``) passed the seal, and a
+dtype change raised TypeError before the vote (the peer waited for the group's timeout); the
+plain-forward guard let ``num_local_experts=4`` through, went stale when the slot map was
+edited in place and reloaded, and took two experts in one slot for a valid map.
 """
 
 from __future__ import annotations
@@ -36,6 +45,28 @@ def test_an_edited_table_is_refused_before_anything_is_derived_from_it():
     p.table[:, [0, SLOTS]] = p.table[:, [SLOTS, 0]]  # edited back: usable again
     p.check_unedited()
     assert p.derived("anything", lambda: 1) == 1
+
+
+@pytest.mark.parametrize("edit", [
+    lambda t: t.unsqueeze_(0), lambda t: t.resize_(t.numel()), lambda t: t.t_(),
+    lambda t: setattr(t, "data", t.data.view(torch.int32)),
+    lambda t: setattr(t, "data", t.data.to(torch.bfloat16))],
+    ids=["unsqueeze_", "resize_", "t_", "view-int32", "bfloat16"])
+def test_edits_that_keep_the_bytes_or_change_the_dtype_are_edits_too(edit):
+    p = Placement.round_robin(LAYERS, E, 2, SLOTS)
+    edit(p.table)
+    with pytest.raises(ValueError, match="changed in place"):
+        p.check_unedited()
+    with pytest.raises(ValueError, match="changed in place"):
+        p.local_slots(1, 0)  # every per-layer query reads `row`
+
+
+def test_a_share_is_not_loaded_from_an_edited_placement(ckpts):
+    p = Placement.round_robin(LAYERS, E, 2, SLOTS)
+    p.derived("dispatch", lambda: "built from the table as it was")  # as an EP forward leaves it
+    p.table[:, [0, 1]] = p.table[:, [1, 0]]
+    with pytest.raises(ValueError, match="changed in place"):
+        load_rank_model(ckpts["fp8", 0], p, 0)
 
 
 def _edited_rank(rank, world, device, path, which):
@@ -121,3 +152,24 @@ def test_the_plain_forward_of_a_rank_model_is_refused_unless_slot_e_holds_expert
     moved = Placement(LAYERS, E, 1, E + 1, alone.table[:, [1, 0, *range(2, E + 1)]])
     with pytest.raises(ValueError, match="slot e does not hold expert e"):
         load_rank_model(ckpts["fp8", 0], moved, 0, torch.device("cpu"))(x)
+
+
+def test_the_plain_forward_guard_sees_partial_shares_shared_slots_and_edited_maps(ckpts):
+    ck = ckpts["fp8", 0]
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="slot e does not hold expert e"):
+        fr.load_model(ck, num_local_experts=4)(x)  # experts 4.. have no slot
+    shared = {0: [0], 1: [1, 0], **{e: [e] for e in range(2, E)}}  # slot 0: expert 1, loaded last
+    with pytest.raises(ValueError, match="slot e does not hold expert e"):
+        fr.load_model(ck, expert_slots=shared)(x)
+    model = fr.load_model(ck, expert_slots={e: [e] for e in range(E)})
+    want = model(x)
+    for _, layer in model.moe_layers():
+        layer.expert_slots[0], layer.expert_slots[1] = [1], [0]  # the map edited in place...
+    fr.update_weights_from_disk(model, ck)  # ...and the experts loaded by it
+    with pytest.raises(ValueError, match="slot e does not hold expert e"):
+        model(x)
+    for _, layer in model.moe_layers():
+        layer.expert_slots = {e: [e] for e in range(E)}
+    fr.update_weights_from_disk(model, ck)
+    torch.testing.assert_close(model(x), want, rtol=0, atol=0)

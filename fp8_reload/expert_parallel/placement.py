@@ -60,6 +60,8 @@ class Placement:
 
     def __setstate__(self, state):
         self.__dict__.update(state, _derived={})
+        if "_built" not in state:  # (pickled before placements kept their bytes)
+            self.__dict__["_built"] = self.table.numpy().tobytes()
 
     def derived(self, key, build: Callable):
         """`build()`, computed once per placement and `key` (placements are immutable)."""
@@ -76,7 +78,10 @@ class Placement:
         A placement describes what the ranks' slots hold; its tensor can still be written
         (``p.table[0, 0] = 3``), and ranks that cached its fingerprint or dispatch tables
         would then act on different layouts. Build a new Placement instead."""
-        if self.table.numpy().tobytes() != self._built:
+        t = self.table  # (a new shape, dtype or layout over the same bytes is an edit too)
+        if (t.dtype != torch.long or t.device.type != "cpu" or not t.is_contiguous()
+                or tuple(t.shape) != (len(self.layers), self.num_physical)
+                or t.numpy().tobytes() != self._built):
             raise ValueError(f"{what}'s table was changed in place after it was built; a "
                              f"Placement is immutable: build a new one (Placement(..., table=...)) "
                              f"for another layout")
@@ -158,6 +163,8 @@ class Placement:
         return self.ep_size * self.slots_per_rank
 
     def row(self, layer: int) -> torch.Tensor:
+        """Layer `layer`'s physical -> logical row (every per-layer query reads it)."""
+        self.check_unedited()
         try:
             return self.table[self.layers.index(layer)]
         except ValueError:
@@ -226,13 +233,11 @@ class Placement:
     def __eq__(self, other) -> bool:
         if not isinstance(other, Placement):
             return NotImplemented
-        return (self.layers, self.num_experts, self.ep_size, self.slots_per_rank) == \
-            (other.layers, other.num_experts, other.ep_size, other.slots_per_rank) and \
-            torch.equal(self.table, other.table)
+        return (self.layers, self.num_experts, self.ep_size, self.slots_per_rank, self._built) == \
+            (other.layers, other.num_experts, other.ep_size, other.slots_per_rank, other._built)
 
-    def __hash__(self):
-        return hash((self.layers, self.num_experts, self.ep_size, self.slots_per_rank,
-                     tuple(self.table.flatten().tolist())))
+    def __hash__(self):  # (of the table as built, as `fingerprint`)
+        return hash((self.layers, self.num_experts, self.ep_size, self.slots_per_rank, self._built))
 
     def describe(self, rank: int | None = None) -> str:
         lines = []

@@ -27,6 +27,7 @@ def load_rank_model(path, placement: Placement, rank: int, device="cpu",
                     processing: str = "fixed") -> FP8MoEModel:
     """A fresh load of `rank`'s share of the model under `placement` (one of the checkpoint's
     experts and MoE layers: else ValueError, before anything is loaded)."""
+    placement.check_unedited()  # (its cached dispatch tables would describe other slots)
     ckpt = Checkpoint(path)
     placement.check_fits(ckpt.config)
     model = load_model(ckpt, device=device, processing=processing, **placement.model_kwargs(rank))
