@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import fp8_reload as fr
-import fp8_reload.layers as layers
+import fp8_reload.layers.model as layers  # (where load_weights finds default_weight_loader)
 import fp8_reload.processing as proc
 import fp8_reload.processing.moe as moe_processing
 import fp8_reload.reload.backup as backup_mod

@@ -139,7 +139,7 @@ def test_a_backend_skipped_for_one_kind_is_gated_for_the_other(workdir, monkeypa
 
 def test_a_linear_loader_bug_a_fresh_load_shares_fails_ckpt_weights(workdir, monkeypatch):
     """The same for the FP8 linears: the dense MLP's gate and up trade places in gate_up_proj."""
-    import fp8_reload.layers as layers
+    import fp8_reload.layers.model as layers  # (where the loader reads STACKED)
 
     monkeypatch.setattr(layers, "STACKED", (("gate_up_proj", "gate_proj", 1),
                                             ("gate_up_proj", "up_proj", 0)))
