@@ -16,28 +16,34 @@ import fp8_reload as fr
 from fp8_reload import locks
 
 
+def _left_by_an_ended_thread(access, name: str) -> list:
+    """A thread named `name` enters `access()` in a generator, keeps it suspended inside, and
+    ends; returns the generator (kept alive: the access stays entered)."""
+    def inside():
+        with access():
+            yield
+
+    kept = []
+
+    def run():
+        g = inside()
+        next(g)
+        kept.append(g)
+
+    t = threading.Thread(target=run, name=name)
+    t.start()
+    t.join()
+    return kept
+
+
 # (the generator, collected at the end, gives the access back from another thread: RLock refuses)
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_an_access_left_by_an_ended_thread_fails_a_write_at_once_naming_it(ckpts, monkeypatch):
     monkeypatch.setattr(locks, "WRITE_WAIT_S", 3)
     model = fr.load_model(ckpts["fp8", 0])
     before = fr.snapshot(model)
-
-    def forward_across_a_yield():
-        with model.weights_lock.read():
-            yield
-
-    left = []
-
-    def batcher():  # starts a forward, keeps it (suspended inside the access), and ends
-        g = forward_across_a_yield()
-        next(g)
-        left.append(g)
-
-    worker = threading.Thread(target=batcher, name="batcher")
-    worker.start()
-    worker.join()
-    assert left and model.weights_lock.readers == 1
+    kept = _left_by_an_ended_thread(model.weights_lock.read, "batcher")
+    assert kept and model.weights_lock.readers == 1
     t0 = time.monotonic()
     with pytest.raises(fr.ReloadError, match="held by thread 'batcher', which ended"):
         fr.update_weights_from_disk(model, ckpts["fp8", 1])
@@ -97,20 +103,8 @@ def test_two_writers_never_take_a_released_forward_of_an_ended_thread_for_an_aba
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_a_forward_behind_a_write_left_by_an_ended_thread_fails_not_waits_forever():
-    lock, left = locks.WeightsLock(), []
-
-    def write_across_a_yield():
-        with lock.write():
-            yield
-
-    def leaver():
-        g = write_across_a_yield()
-        next(g)
-        left.append(g)
-
-    t = threading.Thread(target=leaver, name="leaver")
-    t.start()
-    t.join()
+    lock = locks.WeightsLock()
+    kept = _left_by_an_ended_thread(lock.write, "leaver")
     out = []
 
     def forward():
@@ -125,3 +119,4 @@ def test_a_forward_behind_a_write_left_by_an_ended_thread_fails_not_waits_foreve
     f.join(5)
     assert not f.is_alive() and out, out
     assert "a write's access to the weights is held by thread 'leaver'" in out[0], out
+    assert kept
