@@ -21,9 +21,21 @@ from .rollback import ExpertBackup
 def update_weights_from_disk(self, model_path, load_format, weight_name_filter=None,
                              recapture_cuda_graph=False):
     """sglang's, with the filter visible to the loader; a filtered call that fails
-    (returns False or raises) leaves the patched MoE layers as they were (`rollback`)."""
+    (returns False or raises) leaves the patched MoE layers as they were (`rollback`).
+
+    A call without a filter is not backed up (a copy of every expert); one that fails after
+    writing experts leaves them unprocessed, and filtered calls are then refused until a
+    full reload succeeds (processing their experts would make the failed checkpoint's
+    experts live; review s29)."""
+    model = self.get_model()
+    if weight_name_filter is not None:
+        spoiled = spoiled_by_a_failed_full_reload(model)
+        if spoiled:
+            return False, (f"refusing a filtered reload: {spoiled}; only a full reload (no "
+                           f"weight_name_filter) can repair them")
     token = ACTIVE_FILTER.set(weight_name_filter)
-    backup = None if weight_name_filter is None else ExpertBackup(self.get_model())
+    backup = None if weight_name_filter is None else ExpertBackup(model)
+    ok = False
     try:
         ok, message = original("WeightUpdater", "update_weights_from_disk")(
             self, model_path, load_format, weight_name_filter=weight_name_filter,
@@ -38,7 +50,32 @@ def update_weights_from_disk(self, model_path, load_format, weight_name_filter=N
     finally:
         if backup is not None:
             backup.close()
+        else:
+            _note_full_reload(model, ok, model_path)
         ACTIVE_FILTER.reset(token)
+
+
+def _patched_layers(model) -> list:
+    return [m for m in model.modules() if hasattr(m, "_fp8r_loaded")]
+
+
+def _note_full_reload(model, ok: bool, path) -> None:
+    """After a call without a filter: a success repairs every layer; a failure spoils the
+    layers it left with experts written and not processed."""
+    for layer in _patched_layers(model):
+        pending = sorted(set(layer._fp8r_loaded) | set(getattr(layer, "_fp8r_staged", ())))
+        if ok:
+            layer.__dict__.pop("_fp8r_spoiled", None)
+        elif pending:
+            layer._fp8r_spoiled = (f"{getattr(layer, 'layer_name', 'an MoE layer')}: a full reload "
+                                   f"from {path} failed after writing experts (local slots) "
+                                   f"{pending}, which were not processed")
+
+
+def spoiled_by_a_failed_full_reload(model) -> str | None:
+    """Why a filtered reload must not run now, or None."""
+    why = [layer._fp8r_spoiled for layer in _patched_layers(model) if getattr(layer, "_fp8r_spoiled", None)]
+    return "; ".join(why) if why else None
 
 
 def get_weights_iterator(self, source, **kwargs):

@@ -37,6 +37,8 @@ def handles(method, layer) -> bool:
 
     if not isinstance(method, fp8.Fp8MoEMethod) or not hasattr(layer, "_fp8r_loaded"):
         return False
+    if getattr(layer, "_fp8r_fused_loader", False):  # (its loader is not the one patched)
+        return False
     if method.block_quant or method.is_fp4_expert or not layer.moe_runner_config.is_gated:
         return False
     if fp8._is_hip or fp8._is_cpu or fp8._is_fp8_fnuz:
@@ -57,6 +59,10 @@ def create_weights(self, layer, num_experts, hidden_size, intermediate_size_per_
     layer._fp8r_loaded = set()
     layer._fp8r_parts = {}  # FP8 checkpoints: slot -> the (parameter, shard) pairs loaded
     layer._fp8r_processed = False
+    # sglang's fused loader (GPT-OSS) writes whole [E, ...] tensors past `_weight_loader_impl`:
+    # no slots recorded, bf16 cast straight into FP8 storage. Such layers keep sglang's code.
+    loader = extra_weight_attrs.get("weight_loader")
+    layer._fp8r_fused_loader = getattr(loader, "__name__", "") == "weight_loader_fused"
     if self.quant_config.is_checkpoint_fp8_serialized or self.block_quant or self.is_fp4_expert:
         return
     # bf16 checkpoint quantized on load: FP8 storage now, bf16 only in staging.
@@ -95,8 +101,7 @@ def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert
     self._fp8r_loaded.add(int(expert_id))
     name = next((n for n in _FP8_PART_NAMES if getattr(self, n, None) is param), None)
     if name is not None:
-        part = (name, "*" if name.endswith("input_scale") else shard_id)
-        self._fp8r_parts.setdefault(int(expert_id), set()).add(part)
+        self._fp8r_parts.setdefault(int(expert_id), set()).add((name, shard_id))
     if getattr(self, "_fp8r_fp8_storage", False) and (param is self.w13_weight or param is self.w2_weight):
         staged = _staging_param(self, param, int(expert_id))
         impl(self, staged, loaded_weight, weight_name, shard_id, 0)
@@ -106,9 +111,11 @@ def weight_loader_impl(self, param, loaded_weight, weight_name, shard_id, expert
 
 
 # An FP8 checkpoint's expert: gate/up/down weights and weight scales; input scales too
-# when static (gate's and up's land in the same slot: either will do).
+# when static (gate's and up's land in one slot, the later one kept, as a fresh load does:
+# both are needed, else the slot keeps gate's where a fresh load has up's).
 _FP8_PARTS = {("w13_weight", "w1"), ("w13_weight", "w3"), ("w2_weight", "w2"),
               ("w13_weight_scale", "w1"), ("w13_weight_scale", "w3"), ("w2_weight_scale", "w2")}
+_INPUT_PARTS = {("w13_input_scale", "w1"), ("w13_input_scale", "w3"), ("w2_input_scale", "w2")}
 _FP8_PART_NAMES = ("w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale",
                    "w13_input_scale", "w2_input_scale")
 
@@ -118,7 +125,7 @@ def _check_whole_fp8_experts(method, layer) -> None:
     requantized under the scales of before: refused, as for bf16 checkpoints."""
     need = set(_FP8_PARTS)
     if method.quant_config.activation_scheme == "static":
-        need |= {("w13_input_scale", "*"), ("w2_input_scale", "*")}
+        need |= _INPUT_PARTS
     partial = sorted(s for s in layer._fp8r_loaded if not need <= layer._fp8r_parts.get(s, set()))
     if partial:
         layer._fp8r_parts.clear()
